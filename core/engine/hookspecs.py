@@ -1,0 +1,62 @@
+"""The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
+
+A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.0"``; a different major version is
+refused) and implements any of the hooks below with ``@engine.hookimpl``. Each hook returns a list of
+implementation classes; every class carries a unique ``name``, a ``priority`` used by ``auto``, and a
+classmethod ``unavailable_reasons(ctx)`` that says why it cannot run here (empty when it can).
+"""
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "engine"
+CONTRACT_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def engine_attention_backends() -> list[type]:
+    """Return AttentionBackend subclasses (``engine.interfaces.attention``).
+
+    Chosen by ``attention.backend``; ``auto`` takes the available one with the highest priority.
+    """
+
+
+@hookspec
+def engine_executors() -> list[type]:
+    """Return Executor subclasses (``engine.interfaces.executor``).
+
+    Chosen by ``parallel.executor``; ``auto`` takes the available one with the highest priority
+    (uniproc declares itself unavailable for more than one rank).
+    """
+
+
+@hookspec
+def engine_kv_cache_coordinators() -> list[type]:
+    """Return KVCacheCoordinator subclasses (``engine.interfaces.kv_cache``).
+
+    Chosen by ``cache.kv_cache_coordinator``; ``auto`` takes the highest-priority available one whose
+    ``preferred_for(ctx)`` holds for the model's KV-cache groups and the prefix-caching setting.
+    """
+
+
+@hookspec
+def engine_samplers() -> list[type]:
+    """Return Sampler subclasses (``engine.interfaces.sampler``). Chosen by ``sampler.name``."""
+
+
+@hookspec
+def engine_logits_processors() -> list[type]:
+    """Return LogitsProcessor subclasses (``engine.interfaces.logits_processor``).
+
+    All available ones are active; each acts only on the requests whose SamplingParams ask for it.
+    """
+
+
+@hookspec
+def engine_models() -> dict[str, type]:
+    """Return ``{architecture name: model class}`` for model families (matched on config.json's
+    ``architectures``)."""

@@ -1,0 +1,1 @@
+"""Base classes that plugins implement."""

@@ -1,0 +1,125 @@
+"""Attention backend interface: a backend class, a metadata builder and an implementation."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+import torch
+
+from engine.interfaces.base import Pluggable, SelectionContext
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The batch as every backend sees it, built once per step by the model runner.
+
+    Requests are laid out one after another in the flattened token dimension; request ``i`` owns
+    query tokens ``query_start_loc[i]:query_start_loc[i+1]`` whose positions end at ``seq_lens[i]-1``.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32: computed-before + scheduled now
+    num_computed_tokens: torch.Tensor  # [B] int32: tokens already in the cache before this step
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
+    num_computed_tokens_np: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_np)
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return int(self.query_start_loc_np[-1])
+
+
+class AttentionMetadataBuilder(ABC):
+    """Turns the common metadata into the backend's own tensors, once per step."""
+
+    def __init__(self, options: dict[str, Any], device: torch.device, block_size: int,
+                 sliding_window: Optional[int] = None):
+        self.options = options
+        self.device = device
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Return the metadata object the implementation's ``forward`` receives."""
+
+
+class AttentionImpl(ABC):
+    """Computes attention for one layer and writes the new K/V into the paged cache."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
+                 options: Optional[dict[str, Any]] = None):
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.options = options or {}
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """query [T, Hq*D], key/value [T, Hkv*D] -> output [T, Hq*D]; new K/V go into ``kv_cache``."""
+
+
+class AttentionBackend(Pluggable):
+    """A named attention implementation: what it supports and the classes that do the work."""
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    supported_head_sizes: ClassVar[Optional[tuple[int, ...]]] = None  # None: any
+    supported_block_sizes: ClassVar[Optional[tuple[int, ...]]] = None
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache; default: K and V stacked, [2, blocks, block_size, heads, dim]."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        ...
+
+    @classmethod
+    def library_reasons(cls) -> list[str]:
+        """Reasons tied to the environment (a missing library, no CUDA); override in plugins."""
+        return []
+
+    @classmethod
+    def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
+        reasons = list(cls.library_reasons())
+        if ctx.device not in cls.supported_devices:
+            reasons.append(f"device {ctx.device} unsupported (supports {', '.join(cls.supported_devices)})")
+        block_size = ctx.config.cache.block_size
+        if cls.supported_block_sizes is not None and block_size not in cls.supported_block_sizes:
+            reasons.append(f"block size {block_size} unsupported (supports {cls.supported_block_sizes})")
+        info = ctx.model_info
+        if info is not None:
+            if info.dtype not in cls.supported_dtypes:
+                reasons.append(f"dtype {info.dtype} unsupported")
+            if cls.supported_head_sizes is not None and info.head_size not in cls.supported_head_sizes:
+                reasons.append(f"head size {info.head_size} unsupported (supports {cls.supported_head_sizes})")
+            if info.sliding_window and not cls.supports_sliding_window:
+                reasons.append("sliding-window attention unsupported")
+            if info.attn_logit_softcapping and not cls.supports_logits_soft_cap:
+                reasons.append("logits soft-capping unsupported")
+        return reasons

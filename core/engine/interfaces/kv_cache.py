@@ -1,0 +1,51 @@
+"""KVCacheCoordinator interface: how the KV-cache groups of a model share one BlockPool."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Sequence
+
+from engine.interfaces.base import Pluggable
+
+
+class KVCacheCoordinator(Pluggable):
+    """Allocates, caches and frees the blocks of every KV-cache group for each request.
+
+    Block lists are per group: ``blocks[g]`` is the list of KVCacheBlocks of group ``g``.
+    """
+
+    def __init__(self, kv_cache_config, block_pool, enable_caching: bool, max_model_len: int):
+        self.kv_cache_config = kv_cache_config
+        self.block_pool = block_pool
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+
+    @abstractmethod
+    def find_longest_cache_hit(self, block_hashes: Sequence, max_length: int) -> tuple[list[list], int]:
+        """Blocks of the longest cached prefix (at most ``max_length`` tokens) and its length."""
+
+    @abstractmethod
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: list[list]) -> int:
+        """Free blocks needed to hold ``num_tokens`` tokens of this request."""
+
+    @abstractmethod
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list[list]) -> None:
+        """Take the prefix-cache hit blocks into the request (ref counts go up)."""
+
+    @abstractmethod
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[list]:
+        """Grow the request to hold ``num_tokens`` tokens; return only the new blocks per group."""
+
+    @abstractmethod
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks (up to ``num_computed_tokens``) in the prefix cache."""
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        """Return every block of the request to the pool."""
+
+    @abstractmethod
+    def get_blocks(self, request_id: str) -> list[list]:
+        ...
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free blocks that no future token can attend to (sliding windows); nothing by default."""

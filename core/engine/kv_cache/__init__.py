@@ -1,0 +1,1 @@
+"""Paged KV cache: block pool, prefix hashes, per-group managers, coordinators, KVCacheManager."""

@@ -1,0 +1,72 @@
+"""KVCacheManager: the scheduler's view of the paged cache."""
+from __future__ import annotations
+
+from typing import Optional
+
+from engine.kv_cache.block_pool import BlockPool, PrefixCacheStats
+from engine.kv_cache.spec import KVCacheConfig
+
+KVCacheBlocks = list  # per group: list[list[KVCacheBlock]]
+
+
+class KVCacheManager:
+    """Finds prefix hits, allocates slots for scheduled tokens and frees finished requests."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, coordinator_cls: type, max_model_len: int,
+                 enable_caching: bool):
+        self.kv_cache_config = kv_cache_config
+        self.block_size = kv_cache_config.block_size
+        self.max_model_len = max_model_len
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
+        self.coordinator = coordinator_cls(kv_cache_config, self.block_pool, enable_caching, max_model_len)
+        self.enable_caching = self.coordinator.enable_caching
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
+        """Cached blocks of the request's longest known prefix, and how many tokens they hold.
+
+        The last prompt token is always recomputed: its logits are needed to sample.
+        """
+        if not self.enable_caching or request.sampling_params.skip_prefix_cache:
+            return self.coordinator.empty_blocks(), 0
+        max_length = request.num_tokens - 1
+        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+        return blocks, num_hit_tokens
+
+    def allocate_slots(self, request, num_new_tokens: int, new_computed_blocks: Optional[KVCacheBlocks] = None,
+                       num_new_computed_tokens: int = 0) -> Optional[KVCacheBlocks]:
+        """Make room for ``num_new_tokens`` more tokens; None when the pool cannot (caller preempts)."""
+        if new_computed_blocks is None:
+            new_computed_blocks = self.coordinator.empty_blocks()
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
+        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+        needed = self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot,
+                                                             new_computed_blocks)
+        if needed > self.block_pool.get_num_free_blocks():
+            return None
+        if self.enable_caching:
+            for hits in new_computed_blocks:
+                self.block_pool.touch(hits)
+        self.coordinator.save_new_computed_blocks(request.request_id, new_computed_blocks)
+        new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
+        if self.enable_caching:
+            # Only tokens whose ids are known can be cached (not the slot of a token yet to be sampled).
+            self.coordinator.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def free(self, request) -> None:
+        self.coordinator.free(request.request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,1 @@
+"""Models, their layers, weight loading and tokenizers."""

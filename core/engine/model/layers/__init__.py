@@ -1,0 +1,1 @@
+"""Tensor-parallel-ready building blocks shared by every model family."""

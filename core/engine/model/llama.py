@@ -1,0 +1,137 @@
+"""Llama family (SmolLM2, Llama 2/3) from tensor-parallel-ready layers."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from engine.distributed.parallel_state import get_tp_group
+from engine.model.layers.activation import SiluAndMul
+from engine.model.layers.attention import Attention
+from engine.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                        weight_loader_of)
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.rotary import RotaryEmbedding, rope_settings
+from engine.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_index: int, prefix: str, sliding_window: Optional[int] = None):
+        super().__init__()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_size, self.total_num_heads,
+                                          self.total_num_kv_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size,
+                                        bias=getattr(config, "o_proj_bias", bias) and bias)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(f"{prefix}.attn", self.num_heads, self.head_size, self.head_size ** -0.5,
+                              self.num_kv_heads, sliding_window=sliding_window)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int, prefix: str):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    decoder_layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config, prefix: str = "model"):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i, f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over LlamaModel; ``load_weights`` takes Hugging Face tensor names."""
+
+    model_cls = LlamaModel
+    # checkpoint name piece -> (fused parameter name piece, shard id)
+    stacked_params_mapping = [
+        (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1),
+    ]
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tp = get_tp_group()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight)
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., : self.config.vocab_size].float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into (sharded, fused) parameters; return the parameter names set."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            for ckpt_piece, param_piece, shard_id in self.stacked_params_mapping:
+                if ckpt_piece in name:
+                    target = name.replace(ckpt_piece, param_piece)
+                    break
+            else:
+                target, shard_id = name, None
+            if target not in params:
+                raise ValueError(f"checkpoint tensor '{name}' has no place in {type(self).__name__}")
+            param = params[target]
+            loader = weight_loader_of(param)
+            if shard_id is None:
+                loader(param, tensor.to(param.dtype))
+            else:
+                loader(param, tensor.to(param.dtype), shard_id)
+            loaded.add(target)
+        return loaded

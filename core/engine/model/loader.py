@@ -1,0 +1,99 @@
+"""Build a model and fill it from a Hugging Face folder (safetensors, sharded or not) or a GGUF file."""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import time
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import ConfigError
+from engine.model.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, shard) for shard in shards]
+    return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+
+
+def iterate_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every safetensors shard of a Hugging Face folder."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(folder)
+    if not files:
+        raise ConfigError(f"model.model: {folder} holds no *.safetensors weights")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def count_checkpoint_tensors(info: ModelInfo) -> int:
+    if info.format == "gguf":
+        from engine.model.gguf_file import open_gguf
+
+        return len(open_gguf(info.path).tensors)
+    from safetensors import safe_open
+
+    total = 0
+    for path in _safetensors_files(info.path):
+        with safe_open(path, framework="pt") as f:
+            total += len(list(f.keys()))
+    return total
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_model_class(architecture: str) -> type:
+    from engine.plugins import get_plugin_manager
+
+    models = get_plugin_manager().models()
+    if architecture not in models:
+        raise ConfigError(f"model architecture '{architecture}' is not supported; supported: {sorted(models)}")
+    return models[architecture]
+
+
+def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True) -> torch.nn.Module:
+    """Instantiate the model for this rank and load its weights, with a progress bar."""
+    start = time.perf_counter()
+    model_cls = get_model_class(info.architecture)
+    with _default_dtype(info.dtype), torch.device(device):
+        model = model_cls(info.hf_config)
+    if info.format == "gguf":
+        from engine.model.gguf_file import iterate_gguf_weights
+
+        weights = iterate_gguf_weights(info.path, info.hf_config)
+    else:
+        weights = iterate_hf_weights(info.path)
+    total = count_checkpoint_tensors(info)
+    bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False)
+    with torch.no_grad():
+        loaded = model.load_weights(bar)
+    missing = {name for name, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint {info.path} lacks weights for: {sorted(missing)[:8]}")
+    model.eval()
+    logger.info("Loaded %s (%s, %s) in %.1fs: %.1fM parameters on this rank", info.architecture, info.format,
+                str(info.dtype).replace("torch.", ""), time.perf_counter() - start,
+                sum(p.numel() for p in model.parameters()) / 1e6)
+    return model

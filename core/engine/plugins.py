@@ -1,0 +1,188 @@
+"""Plugin manager: built-in plugins plus every installed ``engine.plugins`` entry point.
+
+Built-ins register through the same hooks as third-party packages, so there is one path for every
+implementation. ``PluginManager.select`` picks an implementation by name (or ``auto``) and, when it
+cannot, fails with the reasons and the names that would work.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import pluggy
+
+from engine import hookspecs
+from engine.config import ConfigError
+from engine.interfaces.base import SelectionContext
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "engine.plugins"
+BUILTIN_MODULES = (
+    "engine.attention.torch_backend",
+    "engine.kv_cache.coordinators",
+    "engine.sample.default_sampler",
+    "engine.sample.builtin_logits_processors",
+    "engine.model.registry",
+)
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    """One pluggable kind: its hook and the config key that chooses it."""
+
+    name: str
+    hook: str
+    config_key: Optional[str]  # None: every available implementation is active
+
+
+KINDS = {
+    "attention": PluginKind("attention", "engine_attention_backends", "attention.backend"),
+    "executor": PluginKind("executor", "engine_executors", "parallel.executor"),
+    "kv_cache_coordinator": PluginKind("kv_cache_coordinator", "engine_kv_cache_coordinators",
+                                       "cache.kv_cache_coordinator"),
+    "sampler": PluginKind("sampler", "engine_samplers", "sampler.name"),
+    "logits_processor": PluginKind("logits_processor", "engine_logits_processors", None),
+}
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A class offered by a plugin, with the distribution it came from."""
+
+    kind: str
+    name: str
+    cls: type
+    source: str
+
+    def reasons(self, ctx: SelectionContext) -> list[str]:
+        try:
+            return list(self.cls.unavailable_reasons(ctx))
+        except Exception as exc:  # a plugin's check must not take the engine down
+            return [f"availability check raised {type(exc).__name__}: {exc}"]
+
+
+@dataclass(frozen=True)
+class RefusedPlugin:
+    """An entry point that could not be loaded, and why."""
+
+    name: str
+    source: str
+    reason: str
+
+
+def _major(version: str) -> str:
+    return str(version).split(".")[0]
+
+
+class PluginManager:
+    """Loads plugins once per process and answers which implementations exist."""
+
+    def __init__(self, load_entry_points: bool = True):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.sources: dict[str, str] = {}
+        self.refused: list[RefusedPlugin] = []
+        for module_name in BUILTIN_MODULES:
+            self._register(importlib.import_module(module_name), f"builtin:{module_name}", "engine (built-in)")
+        if load_entry_points:
+            self._load_entry_points()
+
+    def _load_entry_points(self) -> None:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = getattr(ep, "dist", None)
+            source = f"{dist.name} {dist.version}" if dist else ep.value
+            if self.pm.has_plugin(ep.name):
+                continue  # the same distribution seen twice on sys.path
+            try:
+                module = ep.load()
+            except Exception as exc:
+                self.refused.append(RefusedPlugin(ep.name, source, f"import failed: {type(exc).__name__}: {exc}"))
+                logger.warning("plugin %s (%s) failed to load: %s", ep.name, source, exc)
+                continue
+            version = getattr(module, "ENGINE_CONTRACT_VERSION", None)
+            if version is None or _major(version) != _major(hookspecs.CONTRACT_VERSION):
+                reason = (f"built for plugin contract {version or 'unknown (no ENGINE_CONTRACT_VERSION)'}, "
+                          f"this engine speaks {hookspecs.CONTRACT_VERSION}")
+                self.refused.append(RefusedPlugin(ep.name, source, reason))
+                logger.warning("plugin %s (%s) refused: %s", ep.name, source, reason)
+                continue
+            self._register(module, ep.name, source)
+
+    def _register(self, module, plugin_name: str, source: str) -> None:
+        self.pm.register(module, name=plugin_name)
+        self.sources[plugin_name] = source
+
+    def implementations(self, kind: str) -> dict[str, Implementation]:
+        """Every implementation of ``kind``, by name; a name offered twice is an error."""
+        found: dict[str, Implementation] = {}
+        hook = getattr(self.pm.hook, KINDS[kind].hook)
+        for impl in hook.get_hookimpls():
+            source = self.sources.get(impl.plugin_name, impl.plugin_name)
+            for cls in impl.function() or []:
+                name = cls.name
+                if name in found and found[name].cls is not cls:
+                    raise ConfigError(f"{kind} implementation '{name}' is offered by both "
+                                      f"{found[name].source} and {source}; uninstall one of them")
+                found[name] = Implementation(kind, name, cls, source)
+        return found
+
+    def models(self) -> dict[str, type]:
+        """Architecture name -> model class, from every plugin's ``engine_models`` hook."""
+        merged: dict[str, type] = {}
+        for mapping in reversed(self.pm.hook.engine_models()):  # later plugins override built-ins
+            merged.update(mapping or {})
+        return merged
+
+    def select(self, kind: str, requested: str, ctx: SelectionContext) -> Implementation:
+        """The implementation named ``requested`` (or the best for ``auto``), or a ConfigError."""
+        impls = self.implementations(kind)
+        key = KINDS[kind].config_key
+        available = {name: impl for name, impl in impls.items() if not impl.reasons(ctx)}
+        if requested == "auto":
+            candidates = [impl for impl in available.values() if impl.cls.preferred_for(ctx)]
+            if not candidates:
+                raise ConfigError(f"{key}=auto: no {kind} implementation can run here.\n"
+                                  + self._explain(impls, ctx))
+            return max(candidates, key=lambda impl: impl.cls.priority)
+        if requested not in impls:
+            raise ConfigError(f"{key}: unknown {kind} '{requested}'; choices: {sorted(impls) + ['auto']} "
+                              f"(available here: {sorted(available)})")
+        reasons = impls[requested].reasons(ctx)
+        if reasons:
+            raise ConfigError(f"{key}: {kind} '{requested}' cannot run here: {'; '.join(reasons)}. "
+                              f"Names that would work: {sorted(available) + ['auto']}")
+        return impls[requested]
+
+    def active(self, kind: str, ctx: SelectionContext) -> list[Implementation]:
+        """Every available implementation of a kind with no single choice (logits processors)."""
+        impls = self.implementations(kind).values()
+        return sorted((i for i in impls if not i.reasons(ctx)), key=lambda i: -i.cls.priority)
+
+    @staticmethod
+    def _explain(impls: dict[str, Implementation], ctx: SelectionContext) -> str:
+        return "\n".join(f"  {name}: {'; '.join(impl.reasons(ctx)) or 'available'}" for name, impl in impls.items())
+
+    def table(self, ctx: SelectionContext) -> list[dict[str, str]]:
+        """Rows for ``engine plugins``: kind, name, source, availability, reason."""
+        rows = []
+        for kind in KINDS:
+            for name, impl in sorted(self.implementations(kind).items()):
+                reasons = impl.reasons(ctx)
+                rows.append({"kind": kind, "name": name, "source": impl.source,
+                             "available": "yes" if not reasons else "no", "reason": "; ".join(reasons),
+                             "priority": str(impl.cls.priority)})
+        for refused in self.refused:
+            rows.append({"kind": "(refused)", "name": refused.name, "source": refused.source,
+                         "available": "no", "reason": refused.reason, "priority": ""})
+        return rows
+
+
+@functools.lru_cache(maxsize=1)
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager (plugins load in every process that calls this)."""
+    return PluginManager()

@@ -1,0 +1,1 @@
+"""EngineCore, its clients, LLMEngine and the offline LLM entry point."""

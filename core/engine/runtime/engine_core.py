@@ -1,0 +1,78 @@
+"""EngineCore: the busy loop's body. Schedule, execute through the executor, update, report."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable, Optional
+
+from engine.config import VllmConfig
+from engine.interfaces.base import SelectionContext
+from engine.kv_cache.spec import make_kv_cache_config
+from engine.model.model_info import ModelInfo, resolve_model
+from engine.plugins import get_plugin_manager
+from engine.runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.scheduler import Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
+    """Choose every single-choice plugin before any weight is loaded; ConfigError if one cannot run."""
+    plugins = get_plugin_manager()
+    ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=len(set(model_info.layer_sliding_windows)))
+    requested = {"attention": vllm_config.attention.backend, "executor": vllm_config.parallel.executor,
+                 "sampler": vllm_config.sampler.name,
+                 "kv_cache_coordinator": vllm_config.cache.kv_cache_coordinator}
+    chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
+    for kind, impl in chosen.items():
+        why = "as configured" if requested[kind] != "auto" else "auto: highest-priority available"
+        logger.info("plugin %-21s %-10s from %s (%s)", kind, impl.name, impl.source, why)
+    processors = plugins.active("logits_processor", ctx)
+    logger.info("plugin %-21s %s", "logits_processor", ", ".join(f"{p.name} ({p.source})" for p in processors))
+    return chosen
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; one ``step`` is one forward pass of the batch."""
+
+    def __init__(self, vllm_config: VllmConfig, model_info: Optional[ModelInfo] = None):
+        start = time.perf_counter()
+        self.vllm_config = vllm_config
+        self.model_info = model_info or resolve_model(vllm_config.model)
+        self.plugins = select_plugins(vllm_config, self.model_info)
+        choices = {kind: impl.name for kind, impl in self.plugins.items()}
+        self.executor = self.plugins["executor"].cls(vllm_config, choices)
+        kv_specs = self.executor.get_kv_cache_spec()
+        self.kv_cache_config = make_kv_cache_config(
+            kv_specs, vllm_config.cache.kv_cache_memory, vllm_config.cache.num_gpu_blocks_override,
+            self.model_info.max_model_len)
+        self.executor.initialize_kv_cache(self.kv_cache_config)
+        self.scheduler = Scheduler(vllm_config, self.kv_cache_config, self.plugins["kv_cache_coordinator"].cls,
+                                   self.model_info.max_model_len)
+        logger.info("engine core ready in %.1fs", time.perf_counter() - start)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(
+            request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
+            self.kv_cache_config.block_size, request.cache_salt, request.arrival_time))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs([], self.scheduler.make_stats())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

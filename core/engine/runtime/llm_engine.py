@@ -1,0 +1,58 @@
+"""LLMEngine: front end (input / output processing) over an EngineCoreClient."""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Optional
+
+from engine.config import VllmConfig
+from engine.model.model_info import resolve_model
+from engine.model.tokenizer import get_tokenizer
+from engine.outputs import RequestOutput
+from engine.runtime.core_client import EngineCoreClient, InprocClient
+from engine.runtime.input_processor import InputProcessor, PromptType
+from engine.runtime.output_processor import OutputProcessor
+from engine.sampling_params import SamplingParams
+from engine.scheduler.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Synchronous engine: ``add_request`` then ``step`` until no request is left."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        self.vllm_config = vllm_config
+        logger.info("engine config:\n%s", vllm_config.summary())
+        self.model_info = resolve_model(vllm_config.model)
+        self.tokenizer = get_tokenizer(self.model_info)
+        self.input_processor = InputProcessor(self.model_info, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core: EngineCoreClient = InprocClient(vllm_config, self.model_info)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text, request = self.input_processor.process(request_id, prompt, params)
+        self.output_processor.add_request(request, text)
+        self.engine_core.add_request(request)
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        self.engine_core.abort_requests(request_ids)
+        return self.output_processor.abort_requests(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        return self.output_processor.process_outputs(self.engine_core.get_output())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

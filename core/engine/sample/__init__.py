@@ -1,0 +1,1 @@
+"""Sampling: the default sampler and the built-in logits processors."""

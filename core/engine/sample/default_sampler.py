@@ -1,0 +1,31 @@
+"""The default sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+from __future__ import annotations
+
+import torch
+
+from engine.hookspecs import hookimpl
+from engine.interfaces.sampler import Sampler, SamplerOutput, SamplingMetadata
+from engine.sample.ops import apply_top_k_top_p, random_sample
+
+
+class DefaultSampler(Sampler):
+    """Greedy rows take the argmax; the others sample from the tempered, truncated distribution."""
+
+    name = "default"
+    priority = 10
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        greedy = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return SamplerOutput(greedy)
+        temperature = torch.where(metadata.temperature < 1e-5, 1.0, metadata.temperature)
+        logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), metadata.top_k, metadata.top_p)
+        sampled = random_sample(logits.softmax(dim=-1, dtype=torch.float32), metadata.generators)
+        if not metadata.all_random:
+            sampled = torch.where(metadata.temperature < 1e-5, greedy, sampled)
+        return SamplerOutput(sampled)
+
+
+@hookimpl
+def engine_samplers():
+    return [DefaultSampler]

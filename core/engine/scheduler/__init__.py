@@ -1,0 +1,1 @@
+"""Scheduler: continuous batching over a token budget, chunked prefill, preemption."""

@@ -1,0 +1,49 @@
+"""What the scheduler sends to the workers each step, and what comes back."""
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct):
+    """A request the workers have not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]  # per KV-cache group
+    num_computed_tokens: int
+    eos_token_id: Optional[int]
+
+
+class CachedRequestData(msgspec.Struct):
+    """A request the workers already hold: only what changed."""
+
+    req_id: str
+    new_block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct):
+    """One step's plan: which requests run and how many tokens of each."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]  # finished, aborted or preempted since the last step: workers drop them
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    """Sampled tokens of one step, for the requests that reached the end of their known tokens."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # empty list for a request still in (chunked) prefill

@@ -1,0 +1,213 @@
+"""The V1 scheduler: no prefill/decode phases, only 'how many tokens of each request this step'."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Iterable, Optional
+
+import msgspec
+
+from engine.config import VllmConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.spec import KVCacheConfig
+from engine.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreOutput(msgspec.Struct):
+    """New tokens of one request after a step, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct):
+    """Counters for logs, metrics and tests."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """Continuous batching within a token budget; preemption by recompute when blocks run out."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, coordinator_cls: type,
+                 max_model_len: int):
+        sched = vllm_config.scheduler
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.max_num_seqs = sched.max_num_seqs
+        self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.max_model_len = max_model_len
+        self.block_size = kv_cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(kv_cache_config, coordinator_cls, max_model_len,
+                                               vllm_config.cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than the "
+                f"context length ({max_model_len}) with scheduler.enable_chunked_prefill=false: long prompts "
+                "could never be scheduled; raise the budget, lower model.max_model_len or enable chunked prefill")
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish (abort) requests from outside; their blocks return to the pool."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[Request] = []
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget,
+                          self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                req_index += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()  # the latest arrival goes first
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+            cached_reqs.append(CachedRequestData(request.request_id, [[b.block_id for b in g] for g in new_blocks],
+                                                 request.num_computed_tokens))
+            req_index += 1
+
+        if not preempted:  # a step that had to preempt admits nobody new
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if not self.enable_chunked_prefill and num_new > token_budget:
+                    break
+                num_new = min(num_new, token_budget)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit)
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                num_scheduled[request.request_id] = num_new
+                token_budget -= num_new
+                new_reqs.append(NewRequestData(
+                    req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
+                    block_ids=[list(ids) for ids in self.kv_cache_manager.get_block_ids(request.request_id)],
+                    num_computed_tokens=num_hit, eos_token_id=request.eos_token_id))
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=sorted(self.finished_req_ids | {r.request_id for r in preempted}))
+        self.finished_req_ids = set()
+        for req_id, num in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (recompute later)", request.request_id)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free what finished."""
+        outputs = []
+        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or not token_ids:
+                continue  # aborted meanwhile, or a prefill chunk that samples nothing
+            new_token_ids = []
+            for token_id in token_ids:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            if request.is_finished():
+                self.running.remove(request)
+                self._free_request(request)
+            outputs.append(EngineCoreOutput(req_id, new_token_ids, request.status.finish_reason,
+                                            request.stop_reason, max(request.num_cached_tokens, 0)))
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        if request.num_tokens >= self.max_model_len or (
+                params.max_tokens is not None and request.num_output_tokens >= params.max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(len(self.running), len(self.waiting), pool.get_usage(), pool.get_num_free_blocks(),
+                              pool.num_blocks, stats.queries, stats.hits, self.num_preemptions)

@@ -1,0 +1,65 @@
+"""Worker: one rank's device, model runner and plugin instances; it only executes what it is told."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from engine.config import VllmConfig
+from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from engine.interfaces.base import SelectionContext
+from engine.model.model_info import resolve_model
+from engine.platform import resolve_device
+from engine.plugins import get_plugin_manager
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Created by an Executor in whatever process holds the rank; resolves plugins by name itself."""
+
+    def __init__(self, vllm_config: VllmConfig, plugin_choices: dict[str, str], rank: int = 0,
+                 distributed_init_method: Optional[str] = None):
+        self.vllm_config = vllm_config
+        self.plugin_choices = plugin_choices
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.model_runner: Optional[ModelRunner] = None
+
+    def init_device(self) -> None:
+        device_name = resolve_device(self.vllm_config.device.device)
+        self.device = torch.device("cuda", self.rank) if device_name == "cuda" else torch.device("cpu")
+        if self.vllm_config.device.num_threads:
+            torch.set_num_threads(self.vllm_config.device.num_threads)
+        torch.manual_seed(self.vllm_config.model.seed)
+        world = self.vllm_config.parallel.tensor_parallel_size
+        init_tensor_parallel(self.rank, world, self.distributed_init_method or "env://",
+                             "nccl" if device_name == "cuda" else "gloo")
+
+    def load_model(self) -> None:
+        info = resolve_model(self.vllm_config.model)
+        plugins = get_plugin_manager()
+        ctx = SelectionContext(self.vllm_config, info)
+        attention = plugins.select("attention", self.plugin_choices["attention"], ctx)
+        sampler = plugins.select("sampler", self.plugin_choices["sampler"], ctx)
+        processors = [impl.cls(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
+        self.model_runner = ModelRunner(self.vllm_config, info, self.device, attention.cls,
+                                        sampler.cls(self.vllm_config), processors)
+        self.model_runner.load_model()
+
+    def get_kv_cache_spec(self):
+        return self.model_runner.get_kv_cache_spec()
+
+    def initialize_kv_cache(self, kv_cache_config) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
+
+    def check_health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        destroy_tensor_parallel()

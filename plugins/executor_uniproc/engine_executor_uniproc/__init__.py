@@ -1,0 +1,1 @@
+"""The uniproc executor plugin of engine."""
