@@ -28,7 +28,7 @@ def reference(hf_tiny_llama):
 @pytest.mark.parametrize("config", [
     {},
     {"max_num_batched_tokens": 16},  # chunked prefill of every prompt
-    {"num_gpu_blocks_override": 12, "block_size": 8},  # forces preemption by recompute
+    {"num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96},  # forces preemption
     {"enable_prefix_caching": False},
     {"max_num_seqs": 2},
 ], ids=["default", "chunked", "preempt", "no-prefix", "two-seqs"])

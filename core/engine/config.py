@@ -36,6 +36,9 @@ def parse_bytes(value: Any) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -56,11 +59,18 @@ class ModelConfig(_Section):
 class CacheConfig(_Section):
     """Paged KV cache: block size, memory budget, prefix caching."""
 
-    block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="tokens per KV-cache block")
+    block_size: int = Field(16, description=f"tokens per KV-cache block, one of {BLOCK_SIZES}")
     kv_cache_memory: int = Field(2 * 1024**3, gt=0, description="bytes for the KV cache (accepts 2GiB, 512MiB)")
     num_gpu_blocks_override: Optional[int] = Field(None, gt=0, description="number of KV blocks, overriding the memory budget")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
     kv_cache_coordinator: str = Field("auto", description="KVCacheCoordinator plugin; auto derives it from the model and prefix caching")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if value not in BLOCK_SIZES:
+            raise ValueError(f"must be one of {BLOCK_SIZES}")
+        return value
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

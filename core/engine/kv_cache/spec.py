@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from engine.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,9 +75,14 @@ def make_kv_cache_config(specs: dict[str, FullAttentionSpec], memory_bytes: int,
     bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
     num_blocks = num_blocks_override or memory_bytes // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"cache.kv_cache_memory={memory_bytes} bytes holds no KV block "
+        raise ConfigError(f"cache.kv_cache_memory={memory_bytes} bytes holds no KV block "
                          f"(one block costs {bytes_per_block} bytes over all layers)")
     block_size = groups[0].spec.block_size
+    if num_blocks * block_size < max_model_len:
+        raise ConfigError(
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens), "
+            f"fewer than one request of the context length model.max_model_len={max_model_len} may need; "
+            "raise cache.kv_cache_memory (or cache.num_gpu_blocks_override) or lower model.max_model_len")
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %d group(s)); one request may "
                 "use up to %d tokens", num_blocks, block_size, num_blocks * block_size,
                 num_blocks * bytes_per_block / 2**20, len(groups), max_model_len)

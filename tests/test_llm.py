@@ -1,0 +1,101 @@
+"""The offline LLM API: inputs, outputs, stop rules, sampling, abort, validation."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.helpers import assert_all_blocks_free, hf_greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, dtype="float32", max_model_len=256)
+
+
+def test_prompt_forms_and_order(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Hello there, how are you")
+    outs = llm.generate(["Hello there, how are you", ids, {"prompt_token_ids": ids}, {"prompt": "Hello there, how are you"}],
+                        SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert outs[0].prompt == "Hello there, how are you" and outs[1].prompt is None
+    completion = outs[0].outputs[0]
+    assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 5
+
+
+def test_chat_applies_the_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}]
+    expected = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected and "<|im_start|>assistant" in tok.decode(expected)
+
+
+def test_stop_token_ids_and_min_tokens(llm, hf_tiny_llama):
+    prompt = random_prompts(1, (20, 20), seed=4)[0]
+    greedy = hf_greedy(hf_tiny_llama, [prompt], 8, eos_token_id=None)[0]
+    stop = greedy[2]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy[:greedy.index(stop) + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert stop not in out.token_ids[:5] and len(out.token_ids) >= 5
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    prompts = random_prompts(9, (5, 40), seed=6)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
+    alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=12)] * 8
+    batch = llm.generate(prompts, [seeded] + others, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batch
+    other_seed = llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=12, seed=99),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy(llm):
+    prompts = random_prompts(3, (5, 30), seed=7)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    top1 = llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
+
+
+def test_abort_returns_every_block(llm):
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+           for p in random_prompts(5, (30, 90), seed=8)]
+    for _ in range(3):
+        engine.step()
+    assert llm.get_stats().num_free_blocks < llm.get_stats().num_total_blocks
+    aborted = engine.abort_request(ids)
+    assert [o.outputs[0].finish_reason for o in aborted] == ["abort"] * 5
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "the prompt is empty"),
+    ([5] * 256, "context length is 256"),
+    ([49152], "out of the vocabulary"),
+])
+def test_bad_prompts_are_rejected_and_nothing_leaks(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[10, 11], prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_all_blocks_free(llm)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_sampling_params_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)

@@ -1,0 +1,138 @@
+"""The plugin contract: built-ins through the same hooks, entry points, selection and its errors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError, VllmConfig
+from engine.interfaces.base import SelectionContext
+from engine.plugins import PluginManager
+from tests.helpers import hf_greedy
+
+FIXTURES = Path(__file__).parent / "plugin_fixtures"
+
+
+def run_engine_cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_plugins_table_lists_every_builtin():
+    result = run_engine_cli("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)}
+    for key in [("attention", "torch"), ("executor", "uniproc"), ("kv_cache_coordinator", "no_prefix"),
+                ("kv_cache_coordinator", "unitary"), ("sampler", "default"), ("logits_processor", "min_tokens")]:
+        assert key in rows and rows[key]["available"] == "yes", rows
+    assert rows[("executor", "uniproc")]["source"].startswith("engine-executor-uniproc")
+    assert rows[("attention", "torch")]["source"] == "engine (built-in)"
+
+
+def test_unavailable_implementation_says_why():
+    result = run_engine_cli("plugins", "--tensor-parallel-size", "2", "--json")
+    rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)}
+    assert rows[("executor", "uniproc")]["available"] == "no"
+    assert "tensor_parallel_size=2" in rows[("executor", "uniproc")]["reason"]
+
+
+def test_unknown_backend_fails_before_loading_weights(tiny_llama, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the config was checked")
+
+    monkeypatch.setattr("engine.worker.model_runner.load_model", no_loading)
+    with pytest.raises(ConfigError) as info:
+        LLM(tiny_llama, attention="flashy")
+    message = str(info.value)
+    assert "attention.backend" in message and "'flashy'" in message and "'torch'" in message and "'auto'" in message
+
+
+def test_wrong_executor_for_the_world_size(tiny_llama, monkeypatch):
+    monkeypatch.setattr("engine.worker.model_runner.load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    with pytest.raises(ConfigError, match="parallel.executor: executor 'uniproc' cannot run here: "
+                                          "tensor_parallel_size=2"):
+        LLM(tiny_llama, executor="uniproc", tensor_parallel_size=2)
+
+
+def test_coordinator_choice_follows_prefix_caching(tiny_llama):
+    from engine.model.model_info import resolve_model
+    from engine.runtime.engine_core import select_plugins
+
+    info = resolve_model(VllmConfig.load(model=tiny_llama).model)
+    assert select_plugins(VllmConfig.load(model=tiny_llama), info)["kv_cache_coordinator"].name == "unitary"
+    off = VllmConfig.load(model=tiny_llama, enable_prefix_caching=False)
+    assert select_plugins(off, info)["kv_cache_coordinator"].name == "no_prefix"
+
+
+def test_selection_prefers_priority_and_skips_unavailable():
+    manager = PluginManager(load_entry_points=False)
+    ctx = SelectionContext(VllmConfig.load())
+    assert manager.select("attention", "auto", ctx).name == "torch"
+    assert manager.select("sampler", "auto", ctx).name == "default"
+    with pytest.raises(ConfigError, match="no executor implementation can run here"):
+        manager.select("executor", "auto", ctx)  # no entry points loaded: no executor at all
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory):
+    """The two fixture distributions pip-installed into a private folder on PYTHONPATH."""
+    site = tmp_path_factory.mktemp("site")
+    for package in ("engine_toy_plugin", "engine_future_plugin"):
+        build = tmp_path_factory.mktemp("build") / package
+        shutil.copytree(FIXTURES / package, build)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--target", str(site), str(build)], check=True, capture_output=True, timeout=300)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_third_party_plugins_are_listed_and_refused_by_contract(plugin_env):
+    result = run_engine_cli("plugins", "--json", env=plugin_env)
+    assert result.returncode == 0, result.stderr
+    rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)}
+    for kind, name in [("attention", "toy_attention"), ("executor", "toy_executor"),
+                       ("kv_cache_coordinator", "toy_coordinator"), ("sampler", "toy_sampler"),
+                       ("logits_processor", "toy_force")]:
+        assert rows[(kind, name)]["source"] == "engine-toy-plugin 0.3.1"
+        assert rows[(kind, name)]["available"] == "yes"
+    assert rows[("attention", "toy_unavailable")]["reason"] == "toy-kernels library not installed"
+    refused = rows[("(refused)", "future")]
+    assert "contract 2.0" in refused["reason"] and "engine-future-plugin 9.0.0" == refused["source"]
+    assert ("attention", "future_attention") not in rows
+
+
+def test_third_party_plugins_run_every_hook(plugin_env, tiny_llama, hf_tiny_llama, tmp_path):
+    model_dir = tmp_path / "toy-model"
+    shutil.copytree(tiny_llama, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["ToyForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    prompts = [[300, 301, 302, 303, 304], [1000, 2000, 3000]]
+    script = f"""
+import json
+from engine import LLM, SamplingParams
+from engine_toy_plugin.plugin import CALLS
+llm = LLM({str(model_dir)!r}, dtype="float32", attention="toy_attention", executor="toy_executor",
+          sampler="toy_sampler", kv_cache_coordinator="toy_coordinator", attention_options={{"marker": 7}})
+params = [SamplingParams(temperature=0, max_tokens=6, extra_args={{"toy_force": 777}}),
+          SamplingParams(temperature=0, max_tokens=6)]
+outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params, use_tqdm=False)
+print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "calls": dict(CALLS)}}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=plugin_env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["tokens"][0] == [777] * 6  # the processor acted on the request that asked for it...
+    assert report["tokens"][1] == hf_greedy(hf_tiny_llama, prompts[1:], 6)[0]  # ...and only on it
+    calls = report["calls"]
+    assert calls["model"] == 1 and calls["executor"] == 1 and calls["attention_option"] == 7
+    assert calls["attention"] > 0 and calls["sampler"] > 0 and calls["coordinator"] > 0
+    assert calls["force_rows"] == 6

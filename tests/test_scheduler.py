@@ -1,0 +1,121 @@
+"""Scheduler: token budget, chunked prefill, preemption, stop rules, abort — with a fake runner."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import VllmConfig
+from engine.kv_cache.coordinators import UnitaryKVCacheCoordinator
+from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import ModelRunnerOutput
+from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.scheduler import Scheduler
+
+BS = 4
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, max_model_len=128, **config) -> Scheduler:
+    spec = FullAttentionSpec(BS, 1, 4, torch.float32)
+    kv = KVCacheConfig(num_blocks, (KVCacheGroupSpec(("l0",), spec),))
+    return Scheduler(VllmConfig.load(**config), kv, UnitaryKVCacheCoordinator, max_model_len)
+
+
+def add(scheduler, rid, n_prompt, **params) -> Request:
+    start = 100 * (len(scheduler.requests) + 1)  # distinct prompts: no prefix-cache hits between them
+    request = Request(rid, list(range(start, start + n_prompt)), SamplingParams(**params), EOS, BS)
+    scheduler.add_request(request)
+    return request
+
+
+def step(scheduler, token=5):
+    """Schedule, then 'sample' ``token`` for every request that reached the end of its tokens."""
+    out = scheduler.schedule()
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = [[token] if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens else []
+               for r in req_ids]
+    return out, scheduler.update_from_output(out, ModelRunnerOutput(req_ids, sampled))
+
+
+def test_token_budget_and_chunked_prefill():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    a, b = add(scheduler, "a", 7, max_tokens=3), add(scheduler, "b", 12, max_tokens=3)
+    out, results = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 7, "b": 3}  # b's prompt is chunked
+    assert [r.request_id for r in results] == ["a"]
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 9}
+    out, results = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_no_chunking_waits_for_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=200, enable_chunked_prefill=False)
+    add(scheduler, "a", 7)
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 7}
+
+
+def test_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for rid in "abc":
+        add(scheduler, rid, 4)
+    out, _ = step(scheduler)
+    assert list(out.num_scheduled_tokens) == ["a", "b"] and len(scheduler.waiting) == 1
+
+
+def test_preemption_by_recompute_and_resume():
+    scheduler = make_scheduler(num_blocks=8, max_model_len=32)
+    a, b = add(scheduler, "a", 8, max_tokens=12, ignore_eos=True), add(scheduler, "b", 8, max_tokens=12, ignore_eos=True)
+    for _ in range(9):  # after 9 steps both hold 4 blocks (16 slots) and all 8 are taken
+        out, _ = step(scheduler)
+    assert b.status == RequestStatus.RUNNING
+    out, _ = step(scheduler)  # a needs a 5th block: b, the latest arrival, is preempted
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert "b" in out.finished_req_ids  # the workers drop it until it is rescheduled
+    pool = scheduler.kv_cache_manager.block_pool
+    while scheduler.has_unfinished_requests():
+        out, _ = step(scheduler)
+        resumed = [n for n in out.scheduled_new_reqs if n.req_id == "b"]
+        if resumed:
+            assert resumed[0].output_token_ids == b.output_token_ids[:-1]  # recomputes prompt + outputs so far
+    assert a.num_output_tokens == 12 and b.num_output_tokens == 12 and b.num_preemptions >= 1
+    assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+def test_stop_rules():
+    scheduler = make_scheduler()
+    eos = add(scheduler, "eos", 3, max_tokens=10)
+    ignored = add(scheduler, "ignored", 3, max_tokens=2, ignore_eos=True)
+    step(scheduler, token=EOS)
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [EOS]
+    assert not ignored.is_finished()
+    step(scheduler, token=EOS)
+    assert ignored.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+    scheduler = make_scheduler()
+    early = add(scheduler, "m", 3, max_tokens=10, min_tokens=2, stop_token_ids=[9])
+    step(scheduler, token=9)
+    assert not early.is_finished()  # below min_tokens
+    _, results = step(scheduler, token=9)
+    assert early.status == RequestStatus.FINISHED_STOPPED and results[0].stop_reason == 9
+    assert results[0].finish_reason == "stop"
+
+
+def test_max_model_len_caps_length():
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", 126, max_tokens=50, ignore_eos=True)
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and request.num_tokens == 128
+
+
+def test_abort_frees_blocks_waiting_and_running():
+    scheduler = make_scheduler(max_num_seqs=1)
+    add(scheduler, "run", 9)
+    add(scheduler, "wait", 9)
+    step(scheduler)
+    scheduler.finish_requests(["run", "wait", "unknown"], RequestStatus.FINISHED_ABORTED)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks and not scheduler.has_unfinished_requests()
+    assert set(scheduler.schedule().finished_req_ids) == {"run", "wait"}
