@@ -78,3 +78,12 @@ def test_cli_flags_override_the_file(tmp_path):
 def test_cli_rejects_a_choice_outside_the_literal():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plugins", "--dtype", "float64"])
+
+
+def test_config_reference_is_current():
+    from pathlib import Path
+
+    from engine.config_docs import render_config_markdown
+
+    committed = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    assert committed == render_config_markdown(), "docs/config.md is stale: run `engine config-docs --output docs/config.md`"

@@ -104,6 +104,18 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    from engine.config_docs import render_config_markdown
+
+    text = render_config_markdown()
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description="LLM inference engine with pluggable parts")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     plug.add_argument("-v", "--verbose", action="store_true")
     add_config_flags(plug)
     plug.set_defaults(func=cmd_plugins)
+
+    docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
+    docs.add_argument("--output", help="write to this file instead of stdout")
+    docs.set_defaults(func=cmd_config_docs)
     return parser
 
 

