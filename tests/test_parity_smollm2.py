@@ -35,12 +35,17 @@ def prompts(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf, prompts):
+def hf_model(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
                                                  gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
-    return hf_greedy(model.eval(), prompts, MAX_TOKENS)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("config", [
@@ -63,4 +68,23 @@ def test_smollm2_greedy_equals_transformers(prompts, reference, config):
     if config.get("enable_prefix_caching") is False:
         assert stats.prefix_cache_hits == 0
     assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_smollm2_top5_logprobs_match_transformers(hf_model, prompts):
+    """Greedy logprobs: our top-5 equal transformers' log-softmax to 1e-4 at every step."""
+    steps = 16
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+    chosen = [prompts[0], prompts[5]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen],
+                           SamplingParams(temperature=0, max_tokens=steps, logprobs=5, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(chosen, outputs):
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True, eos_token_id=None, pad_token_id=2)
+        completion = output.outputs[0]
+        assert completion.token_ids == ref.sequences[0, len(prompt):].tolist()
+        for position, logits in zip(completion.logprobs, ref.logits):
+            top = logits[0].float().log_softmax(-1).topk(5)
+            for token_id, value in zip(top.indices.tolist(), top.values.tolist()):
+                assert abs(position[token_id].logprob - value) < 1e-4, (token_id, position[token_id], value)
     llm.shutdown()

@@ -54,6 +54,7 @@ class ModelConfig(_Section):
     max_model_len: Optional[int] = Field(None, gt=0, description="context length; defaults to the model's")
     seed: int = Field(0, description="seed of the global random generator")
     served_model_name: Optional[str] = Field(None, description="model name reported by the API")
+    max_logprobs: int = Field(20, ge=0, description="most logprobs / prompt_logprobs a request may ask for")
 
 
 class CacheConfig(_Section):

@@ -1,7 +1,7 @@
 """SamplingParams: what a request asks of generation, with vLLM's field names and validation."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -9,46 +9,102 @@ _GREEDY_EPS = 1e-5
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Generation settings of one request. Invalid values raise ValueError naming the field."""
+    """Generation settings of one request. Invalid values raise ValueError naming the field.
+
+    Penalties follow vLLM: ``presence_penalty`` and ``frequency_penalty`` act on the tokens generated
+    so far, ``repetition_penalty`` on prompt and generated tokens (>1 discourages repeats).
+    ``logprobs=k`` returns the sampled token's logprob and rank plus the top-k, from the model's raw
+    distribution; ``prompt_logprobs=k`` does the same for every prompt token after the first.
+    """
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
     seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     skip_prefix_cache: bool = False
     extra_args: Optional[dict[str, Any]] = None
+    # Filled by the input processor from ``bad_words`` with the model's tokenizer.
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must be non-negative"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1 (off), 0 (off) or positive"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 10, "must be in (0, 10]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must not exceed max_tokens"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative token ids"),
+            ("stop", self.stop is None or all(isinstance(s, str) and s for s in self.stop),
+             "must be non-empty strings"),
+            ("stop", not self.stop or self.detokenize, "needs detokenize=True"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be non-negative"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be non-negative"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+             "must be a non-empty list of token ids"),
+            ("bad_words", self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
+             "must be non-empty strings"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
         ]
         for field, ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{field} {message}, got {getattr(self, field)!r}")
-        if self.n != 1:
-            raise ValueError(f"SamplingParams.n > 1 is not supported yet, got {self.n}")
+        if self.prompt_logprobs is not None:
+            self.skip_prefix_cache = True  # every prompt position must be computed to score it
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def clone(self) -> "SamplingParams":
-        return msgspec.structs.replace(self)
+    def for_child(self, index: int) -> "SamplingParams":
+        """The settings of sequence ``index`` of an n>1 request: n=1, and its own seed if seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
+    def validate_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the model: token ids inside the vocabulary, logprob counts."""
+        for field, ids in (("logit_bias", list(self.logit_bias or {})), ("allowed_token_ids", self.allowed_token_ids or []),
+                           ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{field} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"SamplingParams.{field}={value} exceeds the server's max_logprobs={max_logprobs}")

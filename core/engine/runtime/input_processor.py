@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+
+import msgspec
 from typing import Any, Optional, Union
 
 from engine.model.model_info import ModelInfo
@@ -12,17 +14,31 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, tokenizer):
+    def __init__(self, model_info: ModelInfo, tokenizer, max_logprobs: int = 20):
         self.model_info = model_info
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
 
     def eos_token_id(self) -> Optional[int]:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         return eos if eos is not None else self.model_info.eos_token_id
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, as written and with a leading space (as vLLM does)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                cache_salt: Optional[str] = None) -> tuple[Optional[str], EngineCoreRequest]:
-        """Return (prompt text if any, the request for the engine core). Bad input raises ValueError."""
+                cache_salt: Optional[str] = None) -> tuple[Optional[str], list[EngineCoreRequest]]:
+        """Return (prompt text if any, the engine-core requests: one per sequence when n > 1).
+
+        Bad input raises ValueError naming what is wrong.
+        """
         text: Optional[str] = None
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)
@@ -47,5 +63,12 @@ class InputProcessor:
         if len(token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; the context length is {max_len} "
                              "and at least one token must be generated")
-        request = EngineCoreRequest(request_id, token_ids, params, self.eos_token_id(), time.monotonic(), cache_salt)
-        return text, request
+        params.validate_for_model(vocab, self.max_logprobs)
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        now, eos = time.monotonic(), self.eos_token_id()
+        if params.n == 1:
+            return text, [EngineCoreRequest(request_id, token_ids, params, eos, now, cache_salt)]
+        # n sequences share the prompt's KV blocks through the prefix cache (ref counts, no copies)
+        return text, [EngineCoreRequest(f"{index}_{request_id}", token_ids, params.for_child(index), eos, now,
+                                        cache_salt) for index in range(params.n)]

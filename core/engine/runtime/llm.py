@@ -84,7 +84,7 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         prompt_tokens += len(output.prompt_token_ids)
-                        output_tokens += len(output.outputs[0].token_ids)
+                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         elapsed = max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(f"in {prompt_tokens / elapsed:.0f} tok/s, out {output_tokens / elapsed:.0f} tok/s")
                         bar.update(1)

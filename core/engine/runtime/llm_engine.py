@@ -26,24 +26,29 @@ class LLMEngine:
         logger.info("engine config:\n%s", vllm_config.summary())
         self.model_info = resolve_model(vllm_config.model)
         self.tokenizer = get_tokenizer(self.model_info)
-        self.input_processor = InputProcessor(self.model_info, self.tokenizer)
+        self.input_processor = InputProcessor(self.model_info, self.tokenizer, vllm_config.model.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCoreClient = InprocClient(vllm_config, self.model_info)
         self._ids = itertools.count()
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
-        text, request = self.input_processor.process(request_id, prompt, params)
-        self.output_processor.add_request(request, text)
-        self.engine_core.add_request(request)
+        text, requests = self.input_processor.process(request_id, prompt, params)
+        self.output_processor.add_request(request_id, text, requests)
+        for request in requests:
+            self.engine_core.add_request(request)
         return request_id
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        self.engine_core.abort_requests(request_ids)
+        """Abort user requests (every sequence of each); returns their final outputs."""
+        self.engine_core.abort_requests([seq for rid in request_ids for seq in self.output_processor.sequence_ids(rid)])
         return self.output_processor.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        return self.output_processor.process_outputs(self.engine_core.get_output())
+        outputs, stopped = self.output_processor.process_outputs(self.engine_core.get_output())
+        if stopped:  # stop strings end sequences the core does not know are done
+            self.engine_core.abort_requests(stopped)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -5,6 +5,7 @@ from typing import Optional
 
 import msgspec
 
+from engine.sample.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -47,3 +48,5 @@ class ModelRunnerOutput(msgspec.Struct):
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # empty list for a request still in (chunked) prefill
+    logprobs: dict[str, list[TokenLogprobs]] = {}  # per sampled token, for requests asking for logprobs
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # prompt positions scored this step

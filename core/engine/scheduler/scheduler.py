@@ -11,6 +11,7 @@ from engine.config import VllmConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.spec import KVCacheConfig
 from engine.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.sample.logprobs import TokenLogprobs
 from engine.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ class EngineCoreOutput(msgspec.Struct):
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
+    new_logprobs: Optional[list[TokenLogprobs]] = None
+    new_prompt_logprobs: Optional[list[TokenLogprobs]] = None
 
 
 class SchedulerStats(msgspec.Struct):
@@ -173,7 +176,8 @@ class Scheduler:
         outputs = []
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None or not token_ids:
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if request is None or not (token_ids or prompt_logprobs):
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
             new_token_ids = []
             for token_id in token_ids:
@@ -184,8 +188,10 @@ class Scheduler:
             if request.is_finished():
                 self.running.remove(request)
                 self._free_request(request)
+            logprobs = runner_output.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(req_id, new_token_ids, request.status.finish_reason,
-                                            request.stop_reason, max(request.num_cached_tokens, 0)))
+                                            request.stop_reason, max(request.num_cached_tokens, 0),
+                                            logprobs[:len(new_token_ids)] if logprobs else None, prompt_logprobs))
         return outputs
 
     def _check_stop(self, request: Request) -> bool:

@@ -19,6 +19,7 @@ from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindow
 from engine.model.layers.attention import Attention
 from engine.model.loader import load_model
 from engine.model.model_info import ModelInfo
+from engine.sample.logprobs import TokenLogprobs, gather_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -177,6 +178,24 @@ class ModelRunner:
                                            states[r].output_token_ids, states[r].eos_token_id) for r in rows]
                 processor.apply(logits, torch.tensor(rows), views)
 
+    def _prompt_logprobs(self, hidden_states: torch.Tensor, states: list[CachedRequestState],
+                         query_start_loc: np.ndarray) -> dict[str, list[TokenLogprobs]]:
+        """Score the prompt tokens this step reaches: position p's logits rate prompt token p + 1."""
+        result = {}
+        for row, state in enumerate(states):
+            k = state.sampling_params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            start, end = state.num_computed_tokens, state.num_computed_tokens + int(
+                query_start_loc[row + 1] - query_start_loc[row])
+            last = min(end, num_prompt - 1)  # the final prompt position predicts an output token
+            if k is None or start >= last:
+                continue
+            rows = torch.arange(int(query_start_loc[row]), int(query_start_loc[row]) + last - start)
+            targets = torch.tensor(state.prompt_token_ids[start + 1:last + 1])
+            logprobs = self.model.compute_logits(hidden_states[rows.to(self.device)]).log_softmax(dim=-1)
+            result[state.req_id] = gather_logprobs(logprobs.cpu(), targets, [k] * len(targets))
+        return result
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
@@ -186,13 +205,24 @@ class ModelRunner:
             self._prepare_inputs(scheduler_output)
         with set_forward_context(metadata):
             hidden_states = self.model(input_ids, positions)
+        prompt_logprobs = {}
+        if any(s.sampling_params.prompt_logprobs is not None for s in states):
+            query_start_loc = np.concatenate([[0], np.cumsum(list(scheduler_output.num_scheduled_tokens.values()))])
+            prompt_logprobs = self._prompt_logprobs(hidden_states, states, query_start_loc)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         if len(sampling_rows):
             logits = self.model.compute_logits(hidden_states[logits_indices.to(self.device)])
             sampling_states = [states[row] for row in sampling_rows]
+            wants_logprobs = [i for i, s in enumerate(sampling_states) if s.sampling_params.logprobs is not None]
+            raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
             self._apply_logits_processors(logits, sampling_states)
-            sampled = self.sampler(logits, self._sampling_metadata(sampling_states)).sampled_token_ids.tolist()
-            for row, state, token_id in zip(sampling_rows, sampling_states, sampled):
+            sampled = self.sampler(logits, self._sampling_metadata(sampling_states)).sampled_token_ids
+            if wants_logprobs:
+                entries = gather_logprobs(raw_logprobs.cpu(), sampled[wants_logprobs].cpu(),
+                                          [sampling_states[i].sampling_params.logprobs for i in wants_logprobs])
+                logprobs = {sampling_states[i].req_id: [entry] for i, entry in zip(wants_logprobs, entries)}
+            for row, state, token_id in zip(sampling_rows, sampling_states, sampled.tolist()):
                 state.token_ids.append(token_id)
                 sampled_lists[row] = [token_id]
-        return ModelRunnerOutput(req_ids, sampled_lists)
+        return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)
