@@ -2,7 +2,7 @@
 from engine.hookspecs import CONTRACT_VERSION, hookimpl
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "hookimpl", "CONTRACT_VERSION"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "hookimpl", "CONTRACT_VERSION", "EngineDeadError"]
 __version__ = "0.1.0"
 
 
@@ -11,4 +11,12 @@ def __getattr__(name):  # LLM pulls in torch and transformers: import it on firs
         from engine.runtime.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from engine.runtime.async_llm import AsyncLLM
+
+        return AsyncLLM
+    if name == "EngineDeadError":
+        from engine.errors import EngineDeadError
+
+        return EngineDeadError
     raise AttributeError(name)

@@ -85,6 +85,8 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one step")
     max_num_seqs: int = Field(256, gt=0, description="most requests in one step")
     enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps")
+    async_scheduling: bool = Field(False, description="plan step k+1 while the workers run step k (one step "
+                                   "in flight; a request that stops wastes at most one token of compute)")
 
 
 class ParallelConfig(_Section):
@@ -92,6 +94,8 @@ class ParallelConfig(_Section):
 
     tensor_parallel_size: int = Field(1, gt=0, description="number of tensor-parallel ranks")
     executor: str = Field("auto", description="Executor plugin; auto = uniproc for one rank, multiproc otherwise")
+    engine_core_process: bool = Field(False, description="run LLM's engine core in its own process over ZMQ "
+                                      "(AsyncLLM and the server always do)")
 
 
 class AttentionConfig(_Section):

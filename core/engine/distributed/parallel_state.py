@@ -28,6 +28,13 @@ class GroupCoordinator:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Every rank ends with ``src``'s tensor (in place)."""
+        if self.world_size == 1:
+            return tensor
+        dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
     def broadcast_object(self, obj=None, src: int = 0):
         if self.world_size == 1:
             return obj

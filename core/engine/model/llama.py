@@ -40,7 +40,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size,
-                                        bias=getattr(config, "o_proj_bias", bias) and bias)
+                                        bias=getattr(config, "o_proj_bias", bias) and bias,
+                                        input_partition=(self.qkv_proj.q_head_start * self.head_size, self.q_size))
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(f"{prefix}.attn", self.num_heads, self.head_size, self.head_size ** -0.5,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from engine.config import VllmConfig
@@ -50,6 +52,9 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.kv_cache_config)
         self.scheduler = Scheduler(vllm_config, self.kv_cache_config, self.plugins["kv_cache_coordinator"].cls,
                                    self.model_info.max_model_len)
+        self.batch_queue: deque = deque()
+        self.exec_thread = ThreadPoolExecutor(1, thread_name_prefix="execute") if \
+            vllm_config.scheduler.async_scheduling else None
         logger.info("engine core ready in %.1fs", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -61,12 +66,32 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
+        if self.exec_thread is not None:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs([], self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Async scheduling: keep one step in flight on the executor thread while planning the next."""
+        if len(self.batch_queue) < 2 and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                future = self.exec_thread.submit(self.executor.execute_model, scheduler_output)
+                self.batch_queue.append((scheduler_output, future))
+                if len(self.batch_queue) < 2:
+                    return EngineCoreOutputs([], self.scheduler.make_stats())  # let the next step be planned
+        if not self.batch_queue:
+            return EngineCoreOutputs([], self.scheduler.make_stats())
+        scheduler_output, future = self.batch_queue.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -75,4 +100,6 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.exec_thread is not None:
+            self.exec_thread.shutdown(wait=True)
         self.executor.shutdown()

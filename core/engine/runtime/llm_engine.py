@@ -9,7 +9,7 @@ from engine.config import VllmConfig
 from engine.model.model_info import resolve_model
 from engine.model.tokenizer import get_tokenizer
 from engine.outputs import RequestOutput
-from engine.runtime.core_client import EngineCoreClient, InprocClient
+from engine.runtime.core_client import EngineCoreClient, make_client
 from engine.runtime.input_processor import InputProcessor, PromptType
 from engine.runtime.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(self.model_info)
         self.input_processor = InputProcessor(self.model_info, self.tokenizer, vllm_config.model.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core: EngineCoreClient = InprocClient(vllm_config, self.model_info)
+        self.engine_core: EngineCoreClient = make_client(vllm_config, self.model_info)
         self._ids = itertools.count()
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:

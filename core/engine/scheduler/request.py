@@ -46,6 +46,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, once known
         self.num_preemptions = 0
+        self.num_output_placeholders = 0  # tokens sampled by in-flight steps, not yet known here
         self.stop_reason: Optional[int | str] = None
         self.block_hashes: list[bytes] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)

@@ -51,6 +51,7 @@ class Scheduler:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_num_seqs = sched.max_num_seqs
         self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.async_scheduling = sched.async_scheduling
         self.max_model_len = max_model_len
         self.block_size = kv_cache_config.block_size
         self.kv_cache_manager = KVCacheManager(kv_cache_config, coordinator_cls, max_model_len,
@@ -106,8 +107,10 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget,
-                          self.max_model_len - request.num_computed_tokens)
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          token_budget, self.max_model_len - request.num_computed_tokens)
+            if self._reached_max_tokens(request):
+                num_new = 0  # in-flight steps already produce its last token
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -158,13 +161,23 @@ class Scheduler:
             finished_req_ids=sorted(self.finished_req_ids | {r.request_id for r in preempted}))
         self.finished_req_ids = set()
         for req_id, num in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num
+            request = self.requests[req_id]
+            request.num_computed_tokens += num
+            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token we will only see later
         return output
+
+    def _reached_max_tokens(self, request: Request) -> bool:
+        produced = request.num_output_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and produced >= max_tokens) or (
+            request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -179,6 +192,8 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if request is None or not (token_ids or prompt_logprobs):
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
+            if token_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             new_token_ids = []
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
@@ -186,7 +201,8 @@ class Scheduler:
                 if self._check_stop(request):
                     break
             if request.is_finished():
-                self.running.remove(request)
+                # a request preempted while its step was in flight sits in the waiting queue
+                (self.running if request in self.running else self.waiting).remove(request)
                 self._free_request(request)
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(req_id, new_token_ids, request.status.finish_reason,

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from engine.config import VllmConfig
+from engine.distributed.parallel_state import get_tp_group
 from engine.forward_context import set_forward_context
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.logits_processor import LogitsRequestView
@@ -91,13 +92,15 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate every layer's cache in the backend's layout and make one builder per group."""
         self.builders = []
+        own_specs = self.get_kv_cache_spec()  # this rank's heads (ranks may hold different KV-head counts)
         for group_id, group in enumerate(kv_cache_config.groups):
             spec = group.spec
-            shape = self.attention_backend.get_kv_cache_shape(kv_cache_config.num_blocks, spec.block_size,
-                                                              spec.num_kv_heads, spec.head_size)
             for name in group.layer_names:
+                own = own_specs[name]
+                shape = self.attention_backend.get_kv_cache_shape(kv_cache_config.num_blocks, own.block_size,
+                                                                  own.num_kv_heads, own.head_size)
                 layer = self.attention_layers[name]
-                layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+                layer.kv_cache = torch.zeros(shape, dtype=own.dtype, device=self.device)
                 layer.kv_cache_group = group_id
             self.builders.append(self.attention_backend.get_builder_cls()(
                 self.vllm_config.attention.options, self.device, spec.block_size,
@@ -218,6 +221,7 @@ class ModelRunner:
             raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
             self._apply_logits_processors(logits, sampling_states)
             sampled = self.sampler(logits, self._sampling_metadata(sampling_states)).sampled_token_ids
+            sampled = get_tp_group().broadcast(sampled.contiguous(), src=0)  # every rank keeps rank 0's tokens
             if wants_logprobs:
                 entries = gather_logprobs(raw_logprobs.cpu(), sampled[wants_logprobs].cpu(),
                                           [sampling_states[i].sampling_params.logprobs for i in wants_logprobs])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -31,10 +32,13 @@ class Worker:
     def init_device(self) -> None:
         device_name = resolve_device(self.vllm_config.device.device)
         self.device = torch.device("cuda", self.rank) if device_name == "cuda" else torch.device("cpu")
-        if self.vllm_config.device.num_threads:
-            torch.set_num_threads(self.vllm_config.device.num_threads)
-        torch.manual_seed(self.vllm_config.model.seed)
         world = self.vllm_config.parallel.tensor_parallel_size
+        threads = self.vllm_config.device.num_threads
+        if threads is None and device_name == "cpu" and world > 1:
+            threads = max(1, (os.cpu_count() or 1) // world)  # ranks share the cores; oversubscribed OpenMP crawls
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(self.vllm_config.model.seed)
         init_tensor_parallel(self.rank, world, self.distributed_init_method or "env://",
                              "nccl" if device_name == "cuda" else "gloo")
 

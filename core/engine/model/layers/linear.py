@@ -53,45 +53,75 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input in one matmul (e.g. gate and up)."""
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections fused; KV heads are replicated when ranks outnumber them."""
+def even_partition(total: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, count) of part ``index`` when ``total`` items split as evenly as possible, larger parts first."""
+    base, extra = divmod(total, parts)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+class QKVParallelLinear(nn.Module):
+    """Q, K and V projections fused, split by KV-head group.
+
+    Each rank takes a contiguous run of KV heads (as even as the count allows) with the query heads
+    that attend to them; with more ranks than KV heads, KV heads are replicated and query heads
+    split evenly.
+    """
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False):
-        tp_size = get_tp_group().world_size
-        if total_num_heads % tp_size:
-            raise ValueError(f"{total_num_heads} attention heads are not divisible by tensor_parallel_size {tp_size}")
-        self.num_heads = total_num_heads // tp_size
-        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
-        self.kv_replicas = max(1, tp_size // total_num_kv_heads)
+        super().__init__()
+        tp = get_tp_group()
+        if total_num_heads % total_num_kv_heads:
+            raise ValueError(f"{total_num_heads} query heads are not a multiple of {total_num_kv_heads} KV heads")
+        group = total_num_heads // total_num_kv_heads
+        if tp.world_size <= total_num_kv_heads:
+            kv_start, kv_count = even_partition(total_num_kv_heads, tp.world_size, tp.rank)
+            q_start, q_count = kv_start * group, kv_count * group
+        else:
+            if tp.world_size % total_num_kv_heads or total_num_heads % tp.world_size:
+                raise ValueError(f"tensor_parallel_size {tp.world_size} cannot split {total_num_heads} query / "
+                                 f"{total_num_kv_heads} KV heads")
+            kv_start, kv_count = tp.rank // (tp.world_size // total_num_kv_heads), 1
+            q_count = total_num_heads // tp.world_size
+            q_start = tp.rank * q_count
         self.head_size = head_size
-        q_size, kv_size = total_num_heads * head_size, self.num_kv_heads * tp_size * head_size
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
+        self.num_heads, self.num_kv_heads = q_count, kv_count
+        self.q_head_start, self.kv_head_start = q_start, kv_start
+        self.shards = {"q": (0, q_start, q_count), "k": (q_count, kv_start, kv_count),
+                       "v": (q_count + kv_count, kv_start, kv_count)}  # (offset in param, first head, heads)
+        rows = (q_count + 2 * kv_count) * head_size
+        self.weight = _param((rows, hidden_size), self.weight_loader)
+        self.bias = _param((rows,), self.weight_loader) if bias else None
 
-    def shard_bounds(self, shard_id) -> tuple[int, int, int]:
-        index = {"q": 0, "k": 1, "v": 2}[shard_id]
-        offset, size, src_offset = super().shard_bounds(index)
-        if index > 0:  # replicated KV heads: ranks sharing a head read the same slice
-            src_offset = (self.tp_rank // self.kv_replicas) * size
-        return offset, size, src_offset
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset, first_head, heads = self.shards[shard_id]
+        size = self.head_size
+        param.data.narrow(0, offset * size, heads * size).copy_(loaded.narrow(0, first_head * size, heads * size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = xW^T + b with W split along its input columns; partial sums are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 input_partition: Optional[tuple[int, int]] = None):
+        """``input_partition`` = (start, size) of this rank's input columns when not an even split."""
         super().__init__()
         tp = get_tp_group()
         self.tp = tp
-        if input_size % tp.world_size:
-            raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp.world_size}")
-        self.input_size_per_partition = input_size // tp.world_size
+        if input_partition is None:
+            if input_size % tp.world_size:
+                raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp.world_size}")
+            size = input_size // tp.world_size
+            input_partition = (tp.rank * size, size)
+        self.input_start, self.input_size_per_partition = input_partition
         self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader)
         self.bias = _param((output_size,), self._bias_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = self.input_size_per_partition
-        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+        param.data.copy_(loaded.narrow(1, self.input_start, self.input_size_per_partition))
 
     @staticmethod
     def _bias_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -1,0 +1,127 @@
+"""AsyncLLM: many concurrent requests over an engine core in its own process."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import AsyncGenerator, Optional
+
+from engine.config import VllmConfig
+from engine.errors import EngineDeadError
+from engine.model.model_info import resolve_model
+from engine.model.tokenizer import get_tokenizer
+from engine.outputs import RequestOutput
+from engine.runtime.core_client import AsyncMPClient
+from engine.runtime.input_processor import InputProcessor, PromptType
+from engine.runtime.output_processor import OutputProcessor
+from engine.sampling_params import SamplingParams
+from engine.scheduler.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """``async for output in engine.generate(prompt, params, request_id)``; cancelling aborts."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        self.vllm_config = vllm_config
+        logger.info("engine config:\n%s", vllm_config.summary())
+        self.model_info = resolve_model(vllm_config.model)
+        self.tokenizer = get_tokenizer(self.model_info)
+        self.input_processor = InputProcessor(self.model_info, self.tokenizer, vllm_config.model.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = AsyncMPClient(vllm_config)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.output_handler: Optional[asyncio.Task] = None
+        self.latest_stats: Optional[SchedulerStats] = None
+        self.dead_error: Optional[EngineDeadError] = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, vllm_config: VllmConfig) -> "AsyncLLM":
+        return cls(vllm_config)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def _ensure_output_handler(self) -> None:
+        if self.output_handler is None or self.output_handler.done():
+            self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+
+    async def _run_output_handler(self) -> None:
+        """Pull outputs from the core, turn them into RequestOutputs, hand each to its request's queue."""
+        try:
+            while True:
+                core_outputs = await self.engine_core.get_output_async()
+                if core_outputs.scheduler_stats is not None:
+                    self.latest_stats = core_outputs.scheduler_stats
+                outputs, stopped = self.output_processor.process_outputs(core_outputs)
+                for output in outputs:
+                    waiting = self.queues.get(output.request_id)
+                    if waiting is not None:
+                        waiting.put_nowait(output)
+                if stopped:
+                    await self.engine_core.abort_requests_async(stopped)
+        except EngineDeadError as exc:
+            self.dead_error = exc
+            for waiting in self.queues.values():
+                waiting.put_nowait(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the front end must not hang the callers
+            logger.exception("output handler failed")
+            self.dead_error = EngineDeadError(f"output handler failed: {exc}")
+            for waiting in self.queues.values():
+                waiting.put_nowait(self.dead_error)
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's (cumulative) output after each step until it finishes."""
+        if self.dead_error:
+            raise self.dead_error
+        self._ensure_output_handler()
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        text, requests = self.input_processor.process(request_id, prompt, sampling_params)
+        waiting: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = waiting
+        self.output_processor.add_request(request_id, text, requests)
+        finished = False
+        try:
+            for request in requests:
+                await self.engine_core.add_request_async(request)
+            while not finished:
+                item = await waiting.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished and not self.dead_error:  # cancelled, or the caller stopped iterating
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        sequence_ids = self.output_processor.sequence_ids(request_id)
+        self.output_processor.abort_requests([request_id])
+        await self.engine_core.abort_requests_async(sequence_ids)
+
+    async def get_stats(self) -> SchedulerStats:
+        """Fresh counters from the core (needs the output handler running)."""
+        self._ensure_output_handler()
+        return await self.engine_core.call_utility_async("get_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        self._ensure_output_handler()
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def check_health(self) -> None:
+        if self.dead_error:
+            raise self.dead_error
+        self._ensure_output_handler()
+        await self.engine_core.call_utility_async("check_health")
+
+    def shutdown(self) -> None:
+        if self.output_handler is not None:
+            self.output_handler.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,1 @@
+"""The multiproc executor plugin of engine."""

@@ -1,0 +1,161 @@
+"""MultiprocExecutor: one worker process per tensor-parallel rank.
+
+Each step's call goes to every rank over its pipe (the broadcast of the step's work); ranks then
+meet in torch.distributed collectives (gloo on the CPU, NCCL on CUDA). A worker that dies turns
+the next call into EngineDeadError within a poll interval, and shutdown leaves no process behind.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Optional
+
+from engine import hookimpl
+from engine.errors import EngineDeadError
+from engine.interfaces.executor import Executor
+
+ENGINE_CONTRACT_VERSION = "1.0"
+logger = logging.getLogger(__name__)
+_POLL_S = 0.1
+_STARTUP_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_main(vllm_config, plugin_choices: dict, rank: int, init_method: str, conn, log_level: int) -> None:
+    """A worker process: build the Worker, then serve calls until told to stop or the parent goes."""
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    from engine.worker.worker import Worker
+
+    try:
+        worker = Worker(vllm_config, plugin_choices, rank=rank, distributed_init_method=init_method)
+        worker.init_device()
+        worker.load_model()
+        conn.send(("ready", None))
+    except BaseException as exc:
+        conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break  # the executor is gone
+        if message is None:
+            break
+        method, args, kwargs = message
+        try:
+            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+        except BaseException as exc:
+            conn.send(("error", f"rank {rank} {method} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    worker.shutdown()
+
+
+class MultiprocExecutor(Executor):
+    """Workers in spawned processes, one per rank; rank 0's results are the step's results."""
+
+    name = "multiproc"
+    priority = 10
+
+    def _init_executor(self) -> None:
+        world = self.vllm_config.parallel.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        spawn = multiprocessing.get_context("spawn")
+        self.workers, self.conns = [], []
+        self.dead: Optional[str] = None
+        for rank in range(world):
+            parent_conn, child_conn = spawn.Pipe()
+            proc = spawn.Process(target=worker_main, name=f"EngineWorker-{rank}", daemon=True,
+                                 args=(self.vllm_config, self.plugin_choices, rank, init_method, child_conn,
+                                       logging.getLogger().getEffectiveLevel()))
+            proc.start()
+            child_conn.close()
+            self.workers.append(proc)
+            self.conns.append(parent_conn)
+        try:
+            self._gather(_STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("multiproc executor: %d worker processes ready", world)
+
+    def _gather(self, timeout: Optional[float] = None) -> list[Any]:
+        """One answer from every rank; any rank's error or death fails at once (no waiting on its peers,
+        which may be blocked in a collective with it)."""
+        results: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        by_conn = {conn: rank for rank, conn in enumerate(self.conns)}
+        by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self.workers)}
+        while len(results) < len(self.conns):
+            pending = [conn for conn, rank in by_conn.items() if rank not in results]
+            ready = wait(pending + [proc.sentinel for rank, proc in enumerate(self.workers) if rank not in results],
+                         _POLL_S)
+            for item in ready:
+                if item in by_sentinel:
+                    rank = by_sentinel[item]
+                    if self.conns[rank].poll():
+                        continue  # it answered before exiting: read that first
+                    proc = self.workers[rank]
+                    raise self._fail(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+                rank = by_conn[item]
+                try:
+                    status, value = item.recv()
+                except (EOFError, OSError):
+                    raise self._fail(f"worker rank {rank} closed its pipe") from None
+                if status == "error":
+                    raise self._fail(value)
+                results[rank] = value
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._fail(f"workers did not answer within {timeout}s")
+        return [results[rank] for rank in range(len(self.conns))]
+
+    def _fail(self, reason: str) -> EngineDeadError:
+        self.dead = self.dead or reason
+        logger.error("multiproc executor: %s", reason)
+        self.shutdown()
+        return EngineDeadError(reason)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args, kwargs or {}))
+            except (BrokenPipeError, OSError):
+                raise self._fail(f"worker rank {rank} is gone") from None
+        return self._gather()
+
+    def check_health(self) -> None:
+        for rank, proc in enumerate(self.workers):
+            if not proc.is_alive():
+                raise self._fail(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+
+    def shutdown(self) -> None:
+        for conn in getattr(self, "conns", []):
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 3
+        for proc in getattr(self, "workers", []):
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in getattr(self, "workers", []):
+            if proc.is_alive():  # stuck in a collective with a dead peer
+                proc.kill()
+                proc.join(5)
+        for conn in getattr(self, "conns", []):
+            conn.close()
+        self.conns, self.workers = [], []
+
+
+@hookimpl
+def engine_executors():
+    return [MultiprocExecutor]

@@ -1,0 +1,200 @@
+"""Processes: EngineCoreProc over ZMQ, the three clients, AsyncLLM, multiproc executor, failures."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from engine import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from engine.config import VllmConfig
+from tests.helpers import assert_all_blocks_free, random_prompts
+
+PROMPTS = random_prompts(6, (5, 60), seed=31)
+PARAMS = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=1.0, seed=9, max_tokens=10)] * 3
+
+
+def token_lists(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def inproc_reference(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32")
+    return token_lists(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+
+
+def descendants() -> list[psutil.Process]:
+    """Live child processes, minus multiprocessing's resource tracker (one per parent, Python's own)."""
+    alive = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(proc.cmdline()):
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def wait_gone(timeout: float = 10.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while descendants() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return descendants()
+
+
+def test_sync_mp_client_equals_inproc(tiny_llama, inproc_reference):
+    llm = LLM(tiny_llama, dtype="float32", engine_core_process=True)
+    assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient"
+    assert token_lists(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)) == inproc_reference
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+    assert wait_gone() == []
+
+
+def test_async_mp_client_equals_inproc(tiny_llama, inproc_reference):
+    async def run():
+        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32"))
+        try:
+            async def one(index):
+                final = None
+                async for output in engine.generate({"prompt_token_ids": PROMPTS[index]}, PARAMS[index], f"r{index}"):
+                    final = output
+                return final.outputs[0].token_ids
+            tokens = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            stats = await engine.get_stats()
+            return tokens, stats
+        finally:
+            engine.shutdown()
+
+    tokens, stats = asyncio.run(run())
+    assert tokens == inproc_reference
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert wait_gone() == []
+
+
+@pytest.mark.parametrize("config", [
+    {"async_scheduling": True},
+    {"async_scheduling": True, "num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96},
+    {"async_scheduling": True, "max_num_batched_tokens": 16},
+    {"async_scheduling": True, "executor": "multiproc"},
+], ids=["async", "async-preempt", "async-chunked", "async-multiproc"])
+def test_async_scheduling_gives_the_same_outputs(tiny_llama, inproc_reference, config):
+    llm = LLM(tiny_llama, dtype="float32", **config)
+    assert token_lists(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)) == inproc_reference
+    assert_all_blocks_free(llm)
+    if "num_gpu_blocks_override" in config:
+        assert llm.get_stats().num_preemptions > 0
+    llm.shutdown()
+
+
+def test_tensor_parallel_2_equals_1_on_smollm2():
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+               "List three colors:"]
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(dtype="float32", tensor_parallel_size=tp, kv_cache_memory="128MiB", max_model_len=1024)
+        results[tp] = token_lists(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False))
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert results[2] == results[1]
+    assert wait_gone() == []
+
+
+def test_killed_worker_raises_engine_dead_and_leaves_no_process(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2)
+    workers = llm.llm_engine.engine_core.engine_core.executor.workers
+    assert len(workers) == 2 and len(descendants()) >= 2
+    engine = llm.llm_engine
+    for prompt in PROMPTS:
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    assert wait_gone() == []
+
+
+def test_killed_worker_under_async_llm_fails_every_request(tiny_llama):
+    async def run():
+        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", tensor_parallel_size=2))
+        core = psutil.Process(engine.engine_core.proc.pid)
+        workers = core.children()
+        assert len(workers) >= 2
+
+        async def consume(index):
+            async for _ in engine.generate({"prompt_token_ids": PROMPTS[index]},
+                                           SamplingParams(max_tokens=500, ignore_eos=True), f"k{index}"):
+                await asyncio.sleep(0)
+        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+        await asyncio.sleep(1.0)
+        workers[0].kill()
+        start = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
+        elapsed = time.monotonic() - start
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
+                pass
+        engine.shutdown()
+        return results, elapsed
+
+    results, elapsed = asyncio.run(run())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert elapsed < 10
+    assert wait_gone() == []
+
+
+def test_killed_engine_core_process_raises_engine_dead(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", engine_core_process=True)
+    engine = llm.llm_engine
+    engine.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=500, ignore_eos=True))
+    engine.step()
+    os.kill(engine.engine_core.proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    llm.shutdown()
+    assert wait_gone() == []
+
+
+def test_100_concurrent_requests_with_a_third_cancelled(tiny_llama):
+    async def run():
+        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", max_num_seqs=64))
+        prompts = random_prompts(100, (5, 40), seed=32)
+
+        async def one(index):
+            count = 0
+            async for output in engine.generate({"prompt_token_ids": prompts[index]},
+                                                SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8,
+                                                               seed=index), f"c{index}"):
+                count += 1
+            return output
+
+        tasks = [asyncio.create_task(one(i)) for i in range(100)]
+        await asyncio.sleep(0.5)
+        while not any(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        for index in range(0, 100, 3):
+            tasks[index].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.2)
+        stats = await engine.get_stats()
+        engine.shutdown()
+        return results, stats
+
+    results, stats = asyncio.run(run())
+    kept = [r for i, r in enumerate(results) if i % 3]
+    assert all(not isinstance(r, BaseException) and r.finished and len(r.outputs[0].token_ids) == 24 for r in kept)
+    cancelled = [r for i, r in enumerate(results) if i % 3 == 0]
+    assert all(isinstance(r, (asyncio.CancelledError)) or r.finished for r in cancelled)
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running_reqs == 0
+    assert wait_gone() == []
