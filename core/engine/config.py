@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextvars
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -61,7 +61,8 @@ class CacheConfig(_Section):
     """Paged KV cache: block size, memory budget, prefix caching."""
 
     block_size: int = Field(16, description=f"tokens per KV-cache block, one of {BLOCK_SIZES}")
-    kv_cache_memory: int = Field(2 * 1024**3, gt=0, description="bytes for the KV cache (accepts 2GiB, 512MiB)")
+    # str first: the CLI passes sizes such as 512MiB through; the validator always stores bytes (int)
+    kv_cache_memory: Union[str, int] = Field(2 * 1024**3, description="bytes for the KV cache (accepts 2GiB, 512MiB)")
     num_gpu_blocks_override: Optional[int] = Field(None, gt=0, description="number of KV blocks, overriding the memory budget")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
     kv_cache_coordinator: str = Field("auto", description="KVCacheCoordinator plugin; auto derives it from the model and prefix caching")
@@ -76,7 +77,10 @@ class CacheConfig(_Section):
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _bytes(cls, value: Any) -> int:
-        return parse_bytes(value)
+        size = parse_bytes(value)
+        if size <= 0:
+            raise ValueError("must be a positive size")
+        return size
 
 
 class SchedulerConfig(_Section):
@@ -118,10 +122,20 @@ class DeviceConfig(_Section):
     num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
 
 
+class ServerConfig(_Section):
+    """The OpenAI-compatible HTTP server (`engine serve`)."""
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer KEY' on /v1/* "
+                                   "(also read from ENGINE_API_KEY)")
+    log_requests: bool = Field(False, description="log every request's id, prompt length and parameters")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "parallel": ParallelConfig, "attention": AttentionConfig, "sampler": SamplerConfig,
-    "device": DeviceConfig,
+    "device": DeviceConfig, "server": ServerConfig,
 }
 
 # Short flat names for plugin choices, as users type them (`--attention flashinfer`).
@@ -169,6 +183,7 @@ class VllmConfig(BaseSettings):
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -87,6 +87,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.entrypoints.openai.api_server import run_server
+
+    if args.model_tag:
+        args.cfg__model__model = args.model_tag
+    config = config_from_args(args)
+    logging.getLogger("engine").setLevel(logging.INFO)
+    run_server(config)
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from engine.interfaces.base import SelectionContext
     from engine.plugins import get_plugin_manager
@@ -133,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log start-up (config, plugins, KV blocks)")
     add_config_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, metrics...)")
+    serve.add_argument("model_tag", nargs="?", help="model folder or .gguf (same as --model)")
+    add_config_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
     plug = sub.add_parser("plugins", help="list every plugin implementation, its source and availability")
     plug.add_argument("--json", action="store_true")

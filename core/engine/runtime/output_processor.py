@@ -77,13 +77,13 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
 
     @functools.lru_cache(maxsize=65536)
-    def _decode_token(self, token_id: int) -> Optional[str]:
+    def decode_token(self, token_id: int) -> Optional[str]:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
-        position = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, self._decode_token(entry.token_ids[0]))}
+        position = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, self.decode_token(entry.token_ids[0]))}
         for rank, (token_id, logprob) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:]), start=1):
-            position.setdefault(token_id, Logprob(logprob, rank, self._decode_token(token_id)))
+            position.setdefault(token_id, Logprob(logprob, rank, self.decode_token(token_id)))
         return position
 
     def add_request(self, parent_id: str, prompt: Optional[str], requests: list[EngineCoreRequest]) -> None:

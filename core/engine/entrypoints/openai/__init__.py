@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API server."""

@@ -1,0 +1,66 @@
+"""Prometheus metrics of the server (prometheus-client), vLLM's set under an ``engine_`` prefix."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """One registry per app, so several servers in one process do not collide."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        gauge = lambda name, doc: Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+        counter = lambda name, doc: Counter(name, doc, labels, registry=self.registry).labels(model_name)
+        histogram = lambda name, doc: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS,
+                                                registry=self.registry).labels(model_name)
+        self.num_requests_running = gauge("engine_num_requests_running", "Requests in the running queue")
+        self.num_requests_waiting = gauge("engine_num_requests_waiting", "Requests in the waiting queue")
+        self.kv_cache_usage = gauge("engine_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
+        self.prefix_cache_queries = gauge("engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = gauge("engine_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prefix_cache_hit_rate = gauge("engine_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens)")
+        self.num_preemptions = gauge("engine_num_preemptions", "Preemptions since start")
+        self.prompt_tokens = counter("engine_prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("engine_generation_tokens", "Tokens generated")
+        self.requests_finished = counter("engine_request_success", "Requests finished")
+        self.time_to_first_token = histogram("engine_time_to_first_token_seconds", "Time to first token")
+        self.inter_token_latency = histogram("engine_inter_token_latency_seconds", "Time between tokens")
+        self.e2e_latency = histogram("engine_e2e_request_latency_seconds", "End-to-end request latency")
+
+    def update_from_stats(self, stats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.set(stats.prefix_cache_queries)
+        self.prefix_cache_hits.set(stats.prefix_cache_hits)
+        self.prefix_cache_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries
+                                       if stats.prefix_cache_queries else 0.0)
+        self.num_preemptions.set(stats.num_preemptions)
+
+
+class RequestTimer:
+    """Measures TTFT, inter-token latency and end-to-end latency of one request."""
+
+    def __init__(self, metrics: ServerMetrics, clock):
+        self.metrics, self.clock = metrics, clock
+        self.start = self.last = clock()
+        self.tokens = 0
+
+    def on_output(self, num_tokens: int) -> None:
+        if num_tokens <= self.tokens:
+            return
+        now = self.clock()
+        if self.tokens == 0:
+            self.metrics.time_to_first_token.observe(now - self.start)
+        else:
+            self.metrics.inter_token_latency.observe((now - self.last) / (num_tokens - self.tokens))
+        self.tokens, self.last = num_tokens, now
+
+    def on_finish(self, prompt_tokens: int) -> None:
+        self.metrics.e2e_latency.observe(self.clock() - self.start)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(self.tokens)
+        self.metrics.requests_finished.inc()

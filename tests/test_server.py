@@ -1,0 +1,232 @@
+"""`engine serve` end to end: a subprocess on a loopback port, driven by the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL_NAME = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, env: dict | None = None, wait_healthy: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/engine-serve-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--port", str(self.port),
+                                      *args], stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        if wait_healthy:
+            self.wait_for(200)
+
+    def wait_for(self, status: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == status:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"/health never answered {status}:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return open(self.log_path).read()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = Server("--model", tiny_llama, "--served-model-name", MODEL_NAME, "--dtype", "float32",
+                 "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--max-num-seqs", "128")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_models_version_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_completion_and_usage(client):
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=7, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    assert out.usage.completion_tokens == 7 and out.usage.total_tokens == out.usage.prompt_tokens + 7
+    batch = client.completions.create(model=MODEL_NAME, prompt=["Hello there", "Good morning"], max_tokens=3,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == out.choices[0].text[:len(batch.choices[0].text)]
+
+
+def test_chat_completion(client, server):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                         max_completion_tokens=5, temperature=0)
+    assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 5
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert tokens["count"] == out.usage.prompt_tokens
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert "<|im_start|>user" in text
+
+
+def test_streaming_with_usage_equals_non_streaming(client):
+    full = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "tell me"}],
+                                          max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "tell me"}],
+                                                 max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    stream = list(client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=6, temperature=0, stream=True))
+    assert all(c.usage is None for c in stream)
+
+
+def test_stop_n_logprobs_seed(client):
+    base = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=12, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == text[:text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+
+    two = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=6, n=2, temperature=1.0, seed=4)
+    assert sorted(c.index for c in two.choices) == [0, 1] and two.usage.completion_tokens == 12
+    again = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=6, n=2, temperature=1.0, seed=4)
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]
+
+    logprobs = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = logprobs.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy takes the most likely
+    comp = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=3, temperature=0, logprobs=2)
+    assert len(comp.choices[0].logprobs.token_logprobs) == 3 and len(comp.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 5}, 400, "top_p"),
+    ({"prompt": "hi", "model": "nope"}, 404, "model"),
+    ({"prompt": [5] * 600}, 400, None),
+    ({"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"max_tokens": 3}, 400, "prompt"),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, client, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(server.url + "/v1/completions", timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
+    if param:
+        assert error["param"] == param
+    assert client.completions.create(model=MODEL_NAME, prompt="still up?", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_chat_errors(server):
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                 "top_logprobs": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+
+
+def test_concurrent_streams_and_disconnects_leave_no_kv_in_use(server):
+    async def stream(index: int, disconnect: bool) -> int:
+        body = {"model": MODEL_NAME, "prompt": f"request {index} says", "max_tokens": 40 if disconnect else 16,
+                "temperature": 0.7, "stream": True, "ignore_eos": True}
+        chunks = 0
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", server.url + "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks += 1
+                        if disconnect and chunks == 3:
+                            return -1  # leave mid-stream: the context manager closes the connection
+                    if line == "data: [DONE]":
+                        return chunks
+        return chunks
+
+    async def run():
+        return await asyncio.gather(*(stream(i, False) for i in range(64)), *(stream(i, True) for i in range(16)))
+
+    results = asyncio.run(run())
+    assert all(r >= 16 for r in results[:64]) and all(r == -1 for r in results[64:])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (metric(server, "engine_kv_cache_usage_perc") > 0
+                                           or metric(server, "engine_num_requests_running") > 0):
+        time.sleep(0.2)
+    assert metric(server, "engine_kv_cache_usage_perc") == 0.0
+    assert metric(server, "engine_num_requests_running") == 0.0
+    assert metric(server, "engine_generation_tokens_total") >= 64 * 16
+    assert metric(server, "engine_time_to_first_token_seconds_count") >= 64
+
+
+def test_yaml_config_and_flag_override(tiny_llama, tmp_path):
+    config = tmp_path / "deploy.yaml"
+    config.write_text(f"model:\n  model: {tiny_llama}\n  served_model_name: from-yaml\n  dtype: float32\n"
+                      "cache:\n  kv_cache_memory: 32MiB\n  block_size: 32\nattention:\n  backend: torch\n"
+                      "scheduler:\n  max_num_batched_tokens: 256\n")
+    srv = Server("--config", str(config), "--max-num-batched-tokens", "128", "--api-key", "sekret")
+    try:
+        log = srv.output()
+        assert "'max_num_batched_tokens': 128" in log  # the flag beats the file
+        assert "'block_size': 32" in log and "torch" in log and "(as configured)" in log
+        assert "blocks of 32 tokens" in log and "32.0 MiB" in log
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        keyed = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        assert [m.id for m in keyed.models.list().data] == ["from-yaml"]
+        assert keyed.completions.create(model="from-yaml", prompt="x", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(srv.url + "/health").status_code == 200  # not under /v1: no key needed
+    finally:
+        srv.stop()
+
+
+def test_engine_that_cannot_start_reports_503(tiny_llama):
+    srv = Server("--model", tiny_llama, "--attention", "nope", wait_healthy=False)
+    try:
+        srv.wait_for(503, timeout=60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "engine failed to start" not in srv.output():
+            time.sleep(0.3)
+        response = httpx.get(srv.url + "/v1/models")
+        assert response.status_code == 503 and "attention.backend" in response.json()["error"]["message"]
+    finally:
+        srv.stop()
