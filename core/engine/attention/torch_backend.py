@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.attention.paged_cache import write_to_paged_cache
 from engine.hookspecs import hookimpl
 from engine.interfaces.attention import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
                                          CommonAttentionMetadata)
@@ -101,9 +102,8 @@ class TorchAttentionImpl(AttentionImpl):
         q = query.view(num_tokens, self.num_heads, head)
         k = key.view(num_tokens, kv_heads, head)
         v = value.view(num_tokens, kv_heads, head)
+        write_to_paged_cache(k, v, kv_cache, attn_metadata.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, Hkv, D]
-        key_cache.view(-1, kv_heads, head).index_copy_(0, attn_metadata.slot_mapping, k)
-        value_cache.view(-1, kv_heads, head).index_copy_(0, attn_metadata.slot_mapping, v)
         output = torch.empty_like(q)
 
         if attn_metadata.decode_token_indices is not None:

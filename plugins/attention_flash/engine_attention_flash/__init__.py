@@ -1,0 +1,1 @@
+"""The flash attention backend plugin of engine."""

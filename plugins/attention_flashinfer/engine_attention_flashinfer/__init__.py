@@ -1,0 +1,1 @@
+"""The flashinfer attention backend plugin of engine."""

@@ -1,0 +1,1 @@
+"""The Triton attention backend plugin of engine."""

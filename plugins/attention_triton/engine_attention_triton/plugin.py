@@ -1,0 +1,114 @@
+"""TritonAttentionBackend: paged attention in Triton kernels.
+
+On CUDA the kernels compile; on the CPU they run under the Triton interpreter (``TRITON_INTERPRET=1``,
+set by this plugin for CPU devices): exact but slow, for testing. ``auto`` picks it only on CUDA.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine import hookimpl
+from engine.interfaces.attention import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
+                                         CommonAttentionMetadata)
+
+ENGINE_CONTRACT_VERSION = "1.0"
+
+
+def _kernels(device: torch.device):
+    """Import the kernels, switching on the interpreter first when they must run on the CPU."""
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from engine_attention_triton import kernels
+
+    return kernels
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    token_request: torch.Tensor  # [T] int32: row of each query token's request
+    token_position: torch.Tensor  # [T] int32: position of each query token
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        query_lens = np.diff(common.query_start_loc_np)
+        token_request = np.repeat(np.arange(common.num_reqs, dtype=np.int32), query_lens)
+        token_position = (np.arange(common.num_actual_tokens) - np.repeat(common.query_start_loc_np[:-1], query_lens)
+                          + np.repeat(common.num_computed_tokens_np, query_lens)).astype(np.int32)
+        to = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return TritonAttentionMetadata(common.num_actual_tokens, common.slot_mapping.to(self.device),
+                                       common.block_table.to(self.device), to(token_request), to(token_position))
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernels = None
+
+    def forward(self, query, key, value, kv_cache, attn_metadata: TritonAttentionMetadata):
+        if self.kernels is None:
+            self.kernels = _kernels(query.device)
+        import triton
+
+        tokens = attn_metadata.num_actual_tokens
+        head, kv_heads = self.head_size, self.num_kv_heads
+        q = query.view(tokens, self.num_heads, head)
+        k = key.view(tokens, kv_heads, head)
+        v = value.view(tokens, kv_heads, head)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, Hkv, D]
+        block_d = triton.next_power_of_2(head)
+        block_size = key_cache.shape[1]
+        self.kernels.reshape_and_cache_kernel[(tokens, kv_heads)](
+            k, v, key_cache, value_cache, attn_metadata.slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            BLOCK_SIZE=block_size, HEAD_DIM=head, BLOCK_D=block_d)
+        output = torch.empty_like(q)
+        self.kernels.paged_attention_kernel[(tokens, self.num_heads)](
+            output, q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.token_request,
+            attn_metadata.token_position, self.scale, float(self.logits_soft_cap or 0.0), int(self.sliding_window or 0),
+            q.stride(0), q.stride(1), output.stride(0), output.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), attn_metadata.block_table.stride(0),
+            QUERIES_PER_KV=self.num_heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head, BLOCK_D=block_d,
+            USE_SOFT_CAP=self.logits_soft_cap is not None, USE_WINDOW=self.sliding_window is not None)
+        return output.view(tokens, self.num_heads * head)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton: CUDA, or the CPU through the interpreter."""
+
+    name = "triton"
+    priority = 20
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supported_block_sizes = (8, 16, 32, 64, 128)
+
+    @classmethod
+    def library_reasons(cls) -> list[str]:
+        if importlib.util.find_spec("triton") is None:
+            return ["triton is not installed (pip install 'engine-attention-triton[triton]')"]
+        return []
+
+    @classmethod
+    def preferred_for(cls, ctx) -> bool:
+        return ctx.device == "cuda"  # on the CPU the interpreter is for testing, never the default
+
+    @staticmethod
+    def get_impl_cls():
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return TritonAttentionMetadataBuilder
+
+
+@hookimpl
+def engine_attention_backends():
+    return [TritonAttentionBackend]
