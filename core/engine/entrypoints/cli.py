@@ -49,6 +49,24 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(*flags, type=kind, choices=choices, **common)
 
 
+def config_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The config flags given on the command line, as nested sections (the YAML file merged under them)."""
+    from engine.config import _YamlSource, _yaml_file
+
+    overrides: dict[str, dict[str, Any]] = {}
+    if getattr(args, "config_file", None):
+        token = _yaml_file.set(args.config_file)
+        try:
+            overrides = _YamlSource(VllmConfig)()
+        finally:
+            _yaml_file.reset(token)
+    for key, value in vars(args).items():
+        if key.startswith("cfg__") and value is not None:
+            _, section, name = key.split("__", 2)
+            overrides.setdefault(section, {})[name] = value
+    return overrides
+
+
 def config_from_args(args: argparse.Namespace) -> VllmConfig:
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in vars(args).items():
@@ -155,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     plug.add_argument("-v", "--verbose", action="store_true")
     add_config_flags(plug)
     plug.set_defaults(func=cmd_plugins)
+
+    from engine.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_config_flags)
 
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.add_argument("--output", help="write to this file instead of stdout")

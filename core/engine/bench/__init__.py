@@ -1,0 +1,1 @@
+"""`engine bench`: throughput, latency and serving benchmarks, with A/B of plugin choices."""

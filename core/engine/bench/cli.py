@@ -1,0 +1,162 @@
+"""`engine bench throughput | latency | serve` (argparse wiring, tables, JSON and PNG output)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from typing import Any
+
+from engine.bench.stats import environment, write_json
+
+# config keys that take a plugin name: a comma-separated value means one A/B variant per name
+AB_KEYS = {"attention": "attention.backend", "executor": "parallel.executor", "sampler": "sampler.name",
+           "kv_cache_coordinator": "cache.kv_cache_coordinator", "dtype": "model.dtype"}
+
+
+def _workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--workload", default=default, help="w1 (shared W1), random, or a JSONL file of prompts")
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests (default 64)")
+    parser.add_argument("--input-len", type=int, default=256, help="random workload: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="random / JSONL workload: output tokens")
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="random workload: length spread (0-1)")
+    parser.add_argument("--workload-seed", dest="workload_seed", type=int, default=0)
+
+
+def add_bench_parser(sub, add_config_flags) -> None:
+    bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks (JSON + PNG output)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    tp = kinds.add_parser("throughput", help="offline throughput through LLM; A/B with --attention a,b ...")
+    _workload_flags(tp, "w1")
+    tp.add_argument("--temperature", type=float, default=0.6)
+    tp.add_argument("--repeats", type=int, default=1, help="alternating rounds over the variants (A B A B ...)")
+    tp.add_argument("--compare-peer", choices=["transformers"], help="also run the peer on the same workload")
+    tp.add_argument("--output", help="write the results as JSON")
+    tp.add_argument("--plot", help="write a PNG bar chart of total tokens/s per variant")
+    add_config_flags(tp)
+    tp.set_defaults(func=cmd_throughput)
+
+    lat = kinds.add_parser("latency", help="one batch, several iterations: mean and p50/p90/p99")
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=32)
+    lat.add_argument("--iterations", type=int, default=5)
+    lat.add_argument("--warmup", type=int, default=1)
+    lat.add_argument("--output")
+    lat.add_argument("--plot", help="PNG: CDF of the batch latencies")
+    add_config_flags(lat)
+    lat.set_defaults(func=cmd_latency)
+
+    srv = kinds.add_parser("serve", help="drive a running OpenAI-compatible server with Poisson arrivals")
+    srv.add_argument("--url", default="http://127.0.0.1:8000")
+    srv.add_argument("--served-model", dest="served_model", default=None, help="model name to send")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
+    srv.add_argument("--max-concurrency", type=int, default=None)
+    _workload_flags(srv, "random")
+    srv.add_argument("--model", default=None, help="tokenizer source for a JSONL workload")
+    srv.add_argument("--output")
+    srv.add_argument("--plot", help="PNG: CDFs of TTFT and end-to-end latency")
+    srv.set_defaults(func=cmd_serve)
+
+
+def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
+    """Config overrides shared by all runs, and the A/B variants (label, overrides)."""
+    from engine.entrypoints.cli import config_overrides_from_args
+
+    base = config_overrides_from_args(args)
+    variants: list[tuple[str, dict]] = [("default", {})]
+    for flat, dotted in AB_KEYS.items():
+        section, key = dotted.split(".")
+        value = base.get(section, {}).get(key)
+        if isinstance(value, str) and "," in value:
+            base[section].pop(key)
+            names = [v.strip() for v in value.split(",") if v.strip()]
+            variants = [(f"{label}+{name}" if label != "default" else name, {**over, dotted: name})
+                        for label, over in variants for name in names]
+        elif isinstance(value, str) and variants == [("default", {})]:
+            variants = [(value, {})]
+    return base, variants
+
+
+def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    widths = [max(len(title), *(len(f"{r.get(key, ''):.2f}" if isinstance(r.get(key), float) else str(r.get(key, "")))
+                                 for r in rows)) for key, title in columns]
+    print("  ".join(title.ljust(w) for (_, title), w in zip(columns, widths)))
+    for row in rows:
+        cells = [f"{row.get(k):.2f}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k, _ in columns]
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+
+
+def cmd_throughput(args) -> int:
+    from engine.bench.offline import run_peer_transformers, run_throughput_ab
+    from engine.bench.workloads import make_workload
+
+    base, variants = _split_variants(args)
+    requests = make_workload(args.workload, args)
+    results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats)
+    if args.compare_peer == "transformers":
+        from engine.config import VllmConfig
+        from engine.model.model_info import resolve_model
+
+        info = resolve_model(VllmConfig.load(**base).model)
+        peer = run_peer_transformers(info, requests, args.temperature, info.dtype)
+        peer.update(variant="transformers (peer)", config={"peer": "transformers.generate, batches of 16"})
+        for result in results:
+            result["ratio_to_peer"] = result["total_tokens_per_s"] / peer["total_tokens_per_s"]
+        results.append({**peer, "ratio_to_first": peer["total_tokens_per_s"] / results[0]["total_tokens_per_s"]})
+    _print_table(results, [("variant", "variant"), ("total_tokens_per_s", "total tok/s"),
+                           ("output_tokens_per_s", "output tok/s"), ("requests_per_s", "req/s"),
+                           ("ratio_to_first", "ratio"), ("peak_rss_mib", "peak RSS MiB")])
+    report = {"benchmark": "throughput", "workload": args.workload, "num_requests": len(requests),
+              "prompt_tokens": sum(r.prompt_len for r in requests), "output_tokens": sum(r.output_len for r in requests),
+              "temperature": args.temperature, "repeats": args.repeats, "base_config": base,
+              "environment": environment(), "results": results}
+    if args.output:
+        write_json(args.output, report)
+    if args.plot:
+        from engine.bench.plot import bar_plot
+
+        bar_plot(args.plot, [r["variant"] for r in results], [r["total_tokens_per_s"] for r in results],
+                 "total tokens / s (prompt + output)", f"engine bench throughput: {args.workload}, {len(requests)} requests",
+                 [f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})" for r in results])
+    return 0
+
+
+def cmd_latency(args) -> int:
+    from engine.bench.offline import run_latency
+    from engine.entrypoints.cli import config_overrides_from_args
+
+    result = run_latency(config_overrides_from_args(args), args.batch_size, args.input_len, args.output_len,
+                         args.iterations, args.warmup)
+    print(json.dumps({k: v for k, v in result.items() if k != "latencies_s"}, indent=1))
+    if args.output:
+        write_json(args.output, {"benchmark": "latency", "environment": environment(), **result})
+    if args.plot:
+        from engine.bench.plot import cdf_plot
+
+        cdf_plot(args.plot, {f"batch {args.batch_size}": result["latencies_s"]}, "batch latency (s)",
+                 "engine bench latency")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from engine.bench.serve import run_serve_bench
+    from engine.bench.workloads import make_workload
+
+    requests = make_workload(args.workload, args)
+    if args.workload != "random" and args.workload != "w1":
+        pass
+    result = asyncio.run(run_serve_bench(args.url, requests, args.request_rate, args.served_model, args.api_key,
+                                         args.workload_seed, args.max_concurrency))
+    summary = {k: v for k, v in result.items() if not k.endswith("_all")}
+    print(json.dumps(summary, indent=1))
+    if args.output:
+        write_json(args.output, {"benchmark": "serve", **result})
+    if args.plot:
+        from engine.bench.plot import cdf_plot
+
+        cdf_plot(args.plot, {"TTFT": result["ttft_s_all"], "end-to-end": result["e2e_s_all"]}, "seconds",
+                 f"engine bench serve: {result['completed']} requests at {args.request_rate}/s")
+    return 0 if result["failed"] == 0 else 1

@@ -1,0 +1,123 @@
+"""Offline benchmarks through LLM: throughput (with A/B of plugin choices) and batch latency,
+plus transformers' generate as a peer measured in the same run."""
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from typing import Any
+
+from engine.bench.stats import peak_rss_mib, summarize
+from engine.bench.workloads import BenchRequest
+
+logger = logging.getLogger(__name__)
+
+
+def _params(requests: list[BenchRequest], temperature: float):
+    from engine import SamplingParams
+
+    return [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True, seed=i)
+            for i, r in enumerate(requests)]
+
+
+def _prompts(requests: list[BenchRequest]) -> list:
+    return [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests]
+
+
+def run_throughput_once(overrides: dict[str, Any], requests: list[BenchRequest], temperature: float) -> dict:
+    """A fresh engine, one warm-up request, then every request at once; tokens per second."""
+    from engine import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(**overrides)
+    startup = time.perf_counter() - start
+    llm.generate([_prompts(requests[:1])[0]], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(_prompts(requests), _params(requests, temperature), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    return {"seconds": seconds, "startup_seconds": startup, "requests_per_s": len(requests) / seconds,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
+            "output_tokens_per_s": output_tokens / seconds, "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "peak_rss_mib": peak_rss_mib()}
+
+
+def run_peer_transformers(model_info, requests: list[BenchRequest], temperature: float, dtype, batch_size: int = 16) -> dict:
+    """transformers' generate on the same workload: static batches, left padding (shared/bench/peer_hf.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if model_info.format == "gguf":
+        import os
+
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_info.path),
+                                                     gguf_file=os.path.basename(model_info.path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_info.path, dtype=dtype)
+    model.eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    start = time.perf_counter()
+    output_tokens = 0
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            width = max(r.prompt_len for r in batch)
+            ids = torch.tensor([[pad] * (width - r.prompt_len) + list(r.prompt) for r in batch])
+            mask = torch.tensor([[0] * (width - r.prompt_len) + [1] * r.prompt_len for r in batch])
+            new = max(r.output_len for r in batch)
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=temperature > 0,
+                           temperature=temperature or None, top_k=0, top_p=1.0, pad_token_id=pad)
+            output_tokens += sum(r.output_len for r in batch)  # counted as asked, like the shared peer
+    seconds = time.perf_counter() - start
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    return {"seconds": seconds, "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
+            "output_tokens_per_s": output_tokens / seconds, "requests_per_s": len(requests) / seconds,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def run_throughput_ab(base: dict[str, Any], variants: list[tuple[str, dict[str, Any]]], requests: list[BenchRequest],
+                      temperature: float, repeats: int) -> list[dict]:
+    """Every variant ``repeats`` times, alternating (A B A B ...); the median run of each is reported."""
+    runs: dict[str, list[dict]] = {label: [] for label, _ in variants}
+    for round_index in range(repeats):
+        for label, overrides in variants:
+            logger.info("bench round %d: %s", round_index + 1, label)
+            runs[label].append(run_throughput_once({**base, **overrides}, requests, temperature))
+    results = []
+    for label, overrides in variants:
+        ordered = sorted(runs[label], key=lambda r: r["total_tokens_per_s"])
+        median = ordered[len(ordered) // 2]
+        results.append({"variant": label, "config": overrides, **median,
+                        "runs_total_tokens_per_s": [r["total_tokens_per_s"] for r in runs[label]]})
+    first = results[0]["total_tokens_per_s"]
+    for result in results:
+        result["ratio_to_first"] = result["total_tokens_per_s"] / first
+    return results
+
+
+def run_latency(overrides: dict[str, Any], batch_size: int, input_len: int, output_len: int, iterations: int,
+                warmup: int) -> dict:
+    """One batch of ``batch_size`` requests, end to end, ``iterations`` times after warm-ups."""
+    from engine import LLM, SamplingParams
+    from engine.bench.workloads import random_workload
+
+    llm = LLM(**overrides)
+    requests = random_workload(batch_size, input_len, output_len)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    prompts = _prompts(requests)
+    times = []
+    for i in range(warmup + iterations):
+        llm.reset_prefix_cache()  # every iteration computes its prompts
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    llm.shutdown()
+    return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iterations": iterations,
+            "latency_s": summarize(times), "latencies_s": times, "peak_rss_mib": peak_rss_mib(),
+            "median_s": statistics.median(times)}

@@ -1,0 +1,39 @@
+"""PNG plots of benchmark results (matplotlib, headless)."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def bar_plot(path: str, labels: list[str], values: list[float], ylabel: str, title: str,
+             annotations: list[str] | None = None) -> None:
+    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(labels) + 2), 4))
+    bars = ax.bar(labels, values, color=plt.cm.tab10(np.arange(len(labels)) % 10))
+    for bar, text in zip(bars, annotations or [f"{v:.1f}" for v in values]):
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel("variant")
+    ax.set_title(title)
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cdf_plot(path: str, series: dict[str, list[float]], xlabel: str, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, values in series.items():
+        data = np.sort(np.asarray(values))
+        if data.size:
+            ax.step(data, np.arange(1, data.size + 1) / data.size, where="post", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

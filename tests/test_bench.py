@@ -1,0 +1,81 @@
+"""`engine bench`: throughput A/B with JSON and PNG, latency percentiles, serve against a live server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.test_server import MODEL_NAME, Server
+
+
+def engine(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def is_png(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_ab_writes_json_and_plot(tiny_llama, tmp_path):
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",
+                    "--input-len", "16", "--output-len", "6", "--attention", "torch,triton", "--repeats", "2",
+                    "--dtype", "float32", "--output", str(out), "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [r["variant"] for r in report["results"]] == ["torch", "triton"]
+    torch_run, triton_run = report["results"]
+    assert torch_run["ratio_to_first"] == 1.0
+    assert triton_run["ratio_to_first"] == triton_run["total_tokens_per_s"] / torch_run["total_tokens_per_s"]
+    assert all(len(r["runs_total_tokens_per_s"]) == 2 for r in report["results"])  # A B A B
+    assert all(r["output_tokens"] == 4 * 6 and r["peak_rss_mib"] > 0 for r in report["results"])
+    assert report["environment"]["torch"] and report["num_requests"] == 4
+    assert is_png(plot)
+    assert "total tok/s" in result.stdout and "triton" in result.stdout
+
+
+def test_throughput_with_transformers_peer(tiny_llama, tmp_path):
+    out = tmp_path / "peer.json"
+    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",
+                    "--input-len", "12", "--output-len", "4", "--compare-peer", "transformers", "--dtype", "float32",
+                    "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())["results"]
+    assert results[-1]["variant"] == "transformers (peer)" and results[0]["ratio_to_peer"] > 0
+
+
+def test_w1_workload_matches_the_shared_definition():
+    from engine.bench.workloads import w1
+
+    requests = w1()
+    assert sum(r.prompt_len for r in requests) == 18117 and sum(r.output_len for r in requests) == 8819
+
+
+def test_latency_reports_percentiles(tiny_llama, tmp_path):
+    out, plot = tmp_path / "lat.json", tmp_path / "lat.png"
+    result = engine("bench", "latency", "--model", tiny_llama, "--batch-size", "2", "--input-len", "8",
+                    "--output-len", "4", "--iterations", "3", "--output", str(out), "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert set(report["latency_s"]) == {"mean", "median", "p90", "p99"} and len(report["latencies_s"]) == 3
+    assert is_png(plot)
+
+
+def test_serve_bench_against_a_live_server(tiny_llama, tmp_path):
+    server = Server("--model", tiny_llama, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "64MiB",
+                    "--max-model-len", "256")
+    try:
+        out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+        result = engine("bench", "serve", "--url", server.url, "--served-model", MODEL_NAME, "--num-prompts", "12",
+                        "--input-len", "16", "--output-len", "8", "--request-rate", "20", "--output", str(out),
+                        "--plot", str(plot))
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = json.loads(out.read_text())
+        assert report["failed"] == 0 and report["completed"] == 12
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(report[key]) == {"mean", "median", "p90", "p99"} and report[key]["mean"] > 0
+        assert report["output_tokens_per_s"] > 0 and is_png(plot)
+    finally:
+        server.stop()
