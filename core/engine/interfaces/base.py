@@ -20,7 +20,7 @@ class SelectionContext:
 
     @property
     def device(self) -> str:
-        from engine.platform import resolve_device
+        from engine.devices import resolve_device
 
         return resolve_device(self.config.device.device)
 

@@ -8,12 +8,9 @@ from typing import AsyncGenerator, Optional
 
 from engine.config import VllmConfig
 from engine.errors import EngineDeadError
-from engine.model.model_info import resolve_model
-from engine.model.tokenizer import get_tokenizer
 from engine.outputs import RequestOutput
 from engine.runtime.core_client import AsyncMPClient
-from engine.runtime.input_processor import InputProcessor, PromptType
-from engine.runtime.output_processor import OutputProcessor
+from engine.runtime.input_processor import PromptType, build_front_end
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import SchedulerStats
 
@@ -26,10 +23,7 @@ class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
         logger.info("engine config:\n%s", vllm_config.summary())
-        self.model_info = resolve_model(vllm_config.model)
-        self.tokenizer = get_tokenizer(self.model_info)
-        self.input_processor = InputProcessor(self.model_info, self.tokenizer, vllm_config.model.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
         self.engine_core = AsyncMPClient(vllm_config)
         self.queues: dict[str, asyncio.Queue] = {}
         self.output_handler: Optional[asyncio.Task] = None

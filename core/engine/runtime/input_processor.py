@@ -72,3 +72,15 @@ class InputProcessor:
         # n sequences share the prompt's KV blocks through the prefix cache (ref counts, no copies)
         return text, [EngineCoreRequest(f"{index}_{request_id}", token_ids, params.for_child(index), eos, now,
                                         cache_salt) for index in range(params.n)]
+
+
+def build_front_end(vllm_config) -> tuple:
+    """(model info, tokenizer, InputProcessor, OutputProcessor) for LLMEngine and AsyncLLM alike."""
+    from engine.model.model_info import resolve_model
+    from engine.model.tokenizer import get_tokenizer
+    from engine.runtime.output_processor import OutputProcessor
+
+    model_info = resolve_model(vllm_config.model)
+    tokenizer = get_tokenizer(model_info)
+    return (model_info, tokenizer, InputProcessor(model_info, tokenizer, vllm_config.model.max_logprobs),
+            OutputProcessor(tokenizer))

@@ -6,12 +6,9 @@ import logging
 from typing import Optional
 
 from engine.config import VllmConfig
-from engine.model.model_info import resolve_model
-from engine.model.tokenizer import get_tokenizer
 from engine.outputs import RequestOutput
 from engine.runtime.core_client import EngineCoreClient, make_client
-from engine.runtime.input_processor import InputProcessor, PromptType
-from engine.runtime.output_processor import OutputProcessor
+from engine.runtime.input_processor import PromptType, build_front_end
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import SchedulerStats
 
@@ -24,10 +21,7 @@ class LLMEngine:
     def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
         logger.info("engine config:\n%s", vllm_config.summary())
-        self.model_info = resolve_model(vllm_config.model)
-        self.tokenizer = get_tokenizer(self.model_info)
-        self.input_processor = InputProcessor(self.model_info, self.tokenizer, vllm_config.model.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
         self.engine_core: EngineCoreClient = make_client(vllm_config, self.model_info)
         self._ids = itertools.count()
 

@@ -11,7 +11,7 @@ from engine.config import VllmConfig
 from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from engine.interfaces.base import SelectionContext
 from engine.model.model_info import resolve_model
-from engine.platform import resolve_device
+from engine.devices import resolve_device
 from engine.plugins import get_plugin_manager
 from engine.worker.model_runner import ModelRunner
 

@@ -247,6 +247,12 @@ def build_app(config: VllmConfig) -> FastAPI:
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
+    def sse_error(exc: Exception) -> str:
+        """A stream that fails after its 200 header ends with an OpenAI error event."""
+        if isinstance(exc, APIError):
+            return sse(error_body(str(exc), exc.err_type, exc.param, exc.status))
+        return sse(error_body(f"the engine is dead: {exc}", "EngineDeadError", None, 503))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http_request: Request):
         engine = get_engine()
@@ -308,10 +314,8 @@ def build_app(config: VllmConfig) -> FastAPI:
                                                           "stop_reason": c.stop_reason}], "usage": None})
                 if include_usage:
                     yield sse({**header, "choices": [], "usage": usage(list(finals.values()))})
-            except APIError as exc:
-                yield sse(error_body(str(exc), exc.err_type, exc.param, exc.status))
-            except EngineDeadError as exc:
-                yield sse(error_body(f"the engine is dead: {exc}", "EngineDeadError", None, 503))
+            except (APIError, EngineDeadError) as exc:
+                yield sse_error(exc)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -377,10 +381,8 @@ def build_app(config: VllmConfig) -> FastAPI:
                             "logprobs": chat_logprobs(c, start), "finish_reason": c.finish_reason}], "usage": None})
                 if include_usage and final is not None:
                     yield sse({**chunk_header, "choices": [], "usage": usage([final])})
-            except APIError as exc:
-                yield sse(error_body(str(exc), exc.err_type, exc.param, exc.status))
-            except EngineDeadError as exc:
-                yield sse(error_body(f"the engine is dead: {exc}", "EngineDeadError", None, 503))
+            except (APIError, EngineDeadError) as exc:
+                yield sse_error(exc)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
