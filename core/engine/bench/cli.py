@@ -146,8 +146,6 @@ def cmd_serve(args) -> int:
     from engine.bench.workloads import make_workload
 
     requests = make_workload(args.workload, args)
-    if args.workload != "random" and args.workload != "w1":
-        pass
     result = asyncio.run(run_serve_bench(args.url, requests, args.request_rate, args.served_model, args.api_key,
                                          args.workload_seed, args.max_concurrency))
     summary = {k: v for k, v in result.items() if not k.endswith("_all")}

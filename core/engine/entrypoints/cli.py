@@ -49,8 +49,18 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(*flags, type=kind, choices=choices, **common)
 
 
+def _flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The config flags given on the command line, as nested sections."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if key.startswith("cfg__") and value is not None:
+            _, section, name = key.split("__", 2)
+            overrides.setdefault(section, {})[name] = value
+    return overrides
+
+
 def config_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The config flags given on the command line, as nested sections (the YAML file merged under them)."""
+    """The YAML file's sections with the flags merged over them (for building several configs)."""
     from engine.config import _YamlSource, _yaml_file
 
     overrides: dict[str, dict[str, Any]] = {}
@@ -60,20 +70,13 @@ def config_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             overrides = _YamlSource(VllmConfig)()
         finally:
             _yaml_file.reset(token)
-    for key, value in vars(args).items():
-        if key.startswith("cfg__") and value is not None:
-            _, section, name = key.split("__", 2)
-            overrides.setdefault(section, {})[name] = value
+    for section, values in _flag_overrides(args).items():
+        overrides.setdefault(section, {}).update(values)
     return overrides
 
 
 def config_from_args(args: argparse.Namespace) -> VllmConfig:
-    overrides: dict[str, dict[str, Any]] = {}
-    for key, value in vars(args).items():
-        if key.startswith("cfg__") and value is not None:
-            _, section, name = key.split("__", 2)
-            overrides.setdefault(section, {})[name] = value
-    return VllmConfig.load(args.config_file, **overrides)
+    return VllmConfig.load(args.config_file, **_flag_overrides(args))
 
 
 def _setup_logging(verbose: bool) -> None:
