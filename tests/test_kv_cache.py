@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.coordinators import NoPrefixCacheCoordinator, UnitaryKVCacheCoordinator
+from engine.kv_cache.coordinators import (HybridKVCacheCoordinator, NoPrefixCacheCoordinator,
+                                          UnitaryKVCacheCoordinator)
 from engine.kv_cache.hashing import extend_block_hashes, hash_block_tokens
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, make_kv_cache_config
+from engine.kv_cache.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+                                  make_kv_cache_config)
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Request
 
@@ -117,3 +119,62 @@ def test_block_count_from_memory_budget():
         make_kv_cache_config({"l": spec}, 10**9, 7, 8192)
     with pytest.raises(ValueError, match="holds no KV block"):
         make_kv_cache_config({"l": spec}, 100, None, 16)
+
+
+def hybrid_config(num_blocks: int, window: int) -> KVCacheConfig:
+    full = FullAttentionSpec(BS, 2, 8, torch.float32)
+    sliding = SlidingWindowSpec(BS, 2, 8, torch.float32, sliding_window=window)
+    return KVCacheConfig(num_blocks, (KVCacheGroupSpec(("s0",), sliding), KVCacheGroupSpec(("f0",), full)))
+
+
+def advance(manager, request, num_tokens):
+    assert manager.allocate_slots(request, num_tokens) is not None
+    request.num_computed_tokens += num_tokens
+
+
+def test_sliding_window_group_frees_blocks_that_slid_out():
+    manager = KVCacheManager(hybrid_config(40, window=6), HybridKVCacheCoordinator, 64, enable_caching=True)
+    pool = manager.block_pool
+    assert pool.null_block is not None and pool.num_usable_blocks == 39
+    request = make_request("a", list(range(30)))
+    advance(manager, request, 30)  # one prefill chunk needs all 8 blocks in both groups
+    assert manager.group_block_usage() == [(8, 8), (8, 8)]
+    advance(manager, request, 0)  # the next step's keys start at position 30 - 6 + 1 = 25: block 6 on
+    sliding_ids, full_ids = manager.get_block_ids("a")
+    assert sliding_ids[:6] == [pool.null_block.block_id] * 6 and len(full_ids) == 8
+    assert manager.group_block_usage()[0] == (2, 8)
+    assert pool.get_num_free_blocks() == 39 - 10
+    manager.free(request)
+    assert pool.get_num_free_blocks() == 39 and manager.group_block_usage() == [(0, 8), (0, 8)]
+
+
+def test_hybrid_hit_is_the_longest_length_every_group_serves():
+    manager = KVCacheManager(hybrid_config(40, window=6), HybridKVCacheCoordinator, 64, enable_caching=True)
+    tokens = list(range(100, 126))  # 6 full blocks + 2
+    first = make_request("a", tokens)
+    advance(manager, first, 26)
+    manager.free(first)
+    # same prompt: full attention could serve 6 blocks; sliding needs the last ceil(5/4)=2 blocks before it
+    blocks, hit = manager.get_computed_blocks(make_request("b", tokens))
+    assert hit == 24 and len(blocks[0]) == len(blocks[1]) == 6
+    assert blocks[0][:4] == [manager.block_pool.null_block] * 4  # the sliding group skips what it never reads
+    # evict the sliding group's block 5: the hit falls back to the longest length both groups still serve
+    pool = manager.block_pool
+    evicted = pool.get_cached_block(first.block_hashes[5], group_id=0)
+    del pool.cached_block_hash_to_block[evicted.block_hash]
+    evicted.block_hash = None
+    blocks, hit = manager.get_computed_blocks(make_request("c", tokens))
+    assert hit == 20 and [len(b) for b in blocks] == [5, 5]
+    second = make_request("d", tokens)
+    blocks, hit = manager.get_computed_blocks(second)
+    assert manager.allocate_slots(second, 26 - hit, blocks, hit) is not None
+    manager.free(second)
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+def test_groups_never_share_prefix_cache_entries():
+    manager = KVCacheManager(hybrid_config(40, window=6), HybridKVCacheCoordinator, 64, enable_caching=True)
+    request = make_request("a", list(range(12)))
+    advance(manager, request, 12)
+    keys = set(manager.block_pool.cached_block_hash_to_block)
+    assert {group for _, group in keys} == {0, 1} and len(keys) == 6

@@ -1,7 +1,7 @@
 """The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
 
 A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
-contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.0"``; a different major version is
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.1"  # 1.1 added register_models``; a different major version is
 refused) and implements any of the hooks below with ``@engine.hookimpl``. Each hook returns a list of
 implementation classes; every class carries a unique ``name``, a ``priority`` used by ``auto``, and a
 classmethod ``unavailable_reasons(ctx)`` that says why it cannot run here (empty when it can).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = "1.1"  # 1.1 added register_models
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -57,6 +57,14 @@ def engine_logits_processors() -> list[type]:
 
 
 @hookspec
+def register_models(registry) -> None:
+    """Register model families: ``registry.register_model("Arch", cls_or_"package.module:Class")``.
+
+    The architecture is matched on config.json's ``architectures``; a path is imported only when a model
+    of that architecture loads. Plugins register after the built-ins, so they may override one.
+    """
+
+
+@hookspec
 def engine_models() -> dict[str, type]:
-    """Return ``{architecture name: model class}`` for model families (matched on config.json's
-    ``architectures``)."""
+    """Contract 1.0 form of ``register_models``: return ``{architecture name: model class}``."""

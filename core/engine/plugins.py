@@ -131,12 +131,19 @@ class PluginManager:
                 found[name] = Implementation(kind, name, cls, source)
         return found
 
-    def models(self) -> dict[str, type]:
-        """Architecture name -> model class, from every plugin's ``engine_models`` hook."""
-        merged: dict[str, type] = {}
-        for mapping in reversed(self.pm.hook.engine_models()):  # later plugins override built-ins
-            merged.update(mapping or {})
-        return merged
+    def models(self) -> "ModelRegistry":
+        """The model registry filled by every plugin's ``register_models`` (and 1.0 ``engine_models``)."""
+        from engine.model.registry import ModelRegistry
+
+        registry = ModelRegistry()
+        for impl in self.pm.hook.register_models.get_hookimpls():  # built-ins first, plugins after
+            registry._current_source = self.sources.get(impl.plugin_name, impl.plugin_name)
+            impl.function(registry=registry)
+        for impl in self.pm.hook.engine_models.get_hookimpls():
+            registry._current_source = self.sources.get(impl.plugin_name, impl.plugin_name)
+            for architecture, model_cls in (impl.function() or {}).items():
+                registry.register_model(architecture, model_cls)
+        return registry
 
     def select(self, kind: str, requested: str, ctx: SelectionContext) -> Implementation:
         """The implementation named ``requested`` (or the best for ``auto``), or a ConfigError."""

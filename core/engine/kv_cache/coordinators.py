@@ -14,8 +14,8 @@ class GroupedKVCacheCoordinator(KVCacheCoordinator):
 
     def __init__(self, kv_cache_config, block_pool, enable_caching: bool, max_model_len: int):
         super().__init__(kv_cache_config, block_pool, enable_caching, max_model_len)
-        self.managers = [manager_for_spec(group.spec, block_pool, enable_caching)
-                         for group in kv_cache_config.groups]
+        self.managers = [manager_for_spec(group.spec, block_pool, enable_caching, group_id)
+                         for group_id, group in enumerate(kv_cache_config.groups)]
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks):
         return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, hits)
@@ -89,6 +89,33 @@ class UnitaryKVCacheCoordinator(GroupedKVCacheCoordinator):
         return [hits], len(hits) * self.managers[0].block_size
 
 
+class HybridKVCacheCoordinator(GroupedKVCacheCoordinator):
+    """Several KV-cache groups (e.g. sliding-window and full-attention layers) over one BlockPool.
+
+    A prefix hit is the longest length every group can serve: full attention needs every block of the
+    prefix, a sliding-window group only the blocks under the window of the first recomputed token.
+    Sliding-window groups free the blocks that slid out of the window as the request advances.
+    """
+
+    name = "hybrid"
+    priority = 30
+
+    @classmethod
+    def preferred_for(cls, ctx: SelectionContext) -> bool:
+        groups = ctx.num_kv_cache_groups
+        return ctx.config.cache.enable_prefix_caching and (groups is None or groups > 1)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence, max_length: int):
+        block_size = self.managers[0].block_size
+        length = max_length // block_size * block_size
+        while True:  # each group's answer can only shorten the others'; stop when all agree
+            hits = [manager.find_longest_cache_hit(block_hashes, length) for manager in self.managers]
+            agreed = min(len(h) for h in hits) * block_size
+            if agreed == length:
+                return hits, length
+            length = agreed
+
+
 @hookimpl
 def engine_kv_cache_coordinators():
-    return [NoPrefixCacheCoordinator, UnitaryKVCacheCoordinator]
+    return [NoPrefixCacheCoordinator, UnitaryKVCacheCoordinator, HybridKVCacheCoordinator]

@@ -17,7 +17,8 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching,
+                                    reserve_null_block=kv_cache_config.has_sliding_window)
         self.coordinator = coordinator_cls(kv_cache_config, self.block_pool, enable_caching, max_model_len)
         self.enable_caching = self.coordinator.enable_caching
         self.prefix_cache_stats = PrefixCacheStats()
@@ -64,6 +65,11 @@ class KVCacheManager:
 
     def free(self, request) -> None:
         self.coordinator.free(request.request_id)
+
+    def group_block_usage(self) -> list[tuple[int, int]]:
+        """(blocks held now, peak blocks held) for each KV-cache group."""
+        managers = getattr(self.coordinator, "managers", [])  # a third-party coordinator may keep no managers
+        return [(m.num_held_blocks, m.peak_held_blocks) for m in managers]
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))

@@ -47,43 +47,79 @@ class KVCacheGroupSpec:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """How many blocks the pool holds and how layers group onto them."""
+    """How many blocks the pool holds, how layers group onto block tables, and which layers share memory.
+
+    ``tensors`` lists the layers that share one cache tensor: at most one layer of each group, so a block
+    id (owned by exactly one group at a time) never holds two layers' data at once.
+    """
 
     num_blocks: int
     groups: tuple[KVCacheGroupSpec, ...]
+    tensors: tuple[tuple[str, ...], ...] = ()
 
     @property
     def block_size(self) -> int:
         return self.groups[0].spec.block_size
 
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(isinstance(group.spec, SlidingWindowSpec) for group in self.groups)
+
     def group_of_layer(self) -> dict[str, int]:
         return {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
 
+    def shared_tensors(self) -> tuple[tuple[str, ...], ...]:
+        """Layer names per cache tensor (one layer per tensor when no sharing was planned)."""
+        return self.tensors or tuple((name,) for group in self.groups for name in group.layer_names)
+
 
 def group_layers(specs: dict[str, FullAttentionSpec]) -> tuple[KVCacheGroupSpec, ...]:
-    """Layers with equal specs form one group, in first-seen order."""
+    """Group layers by spec, then split each kind into groups of equal size (vLLM's hybrid layout).
+
+    With one kind every layer is one group. With several kinds of equal page size, each kind is cut into
+    groups of as many layers as the rarest kind has, so that groups can share cache tensors layer for
+    layer (e.g. Gemma 3, 5 sliding : 1 full, gives groups of the full-layer count).
+    """
     by_spec: dict[FullAttentionSpec, list[str]] = {}
     for name, spec in specs.items():
         by_spec.setdefault(spec, []).append(name)
-    return tuple(KVCacheGroupSpec(tuple(names), spec) for spec, names in by_spec.items())
+    if len(by_spec) == 1 or len({spec.page_size_bytes for spec in by_spec}) > 1:
+        return tuple(KVCacheGroupSpec(tuple(names), spec) for spec, names in by_spec.items())
+    size = min(len(names) for names in by_spec.values())
+    return tuple(KVCacheGroupSpec(tuple(names[i:i + size]), spec)
+                 for spec, names in by_spec.items() for i in range(0, len(names), size))
+
+
+def plan_shared_tensors(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[tuple[str, ...], ...]:
+    """The k-th layer of every group shares tensor k (only when all pages are the same size)."""
+    if len({group.spec.page_size_bytes for group in groups}) > 1:
+        return tuple((name,) for group in groups for name in group.layer_names)
+    width = max(len(group.layer_names) for group in groups)
+    return tuple(tuple(group.layer_names[k] for group in groups if k < len(group.layer_names))
+                 for k in range(width))
 
 
 def make_kv_cache_config(specs: dict[str, FullAttentionSpec], memory_bytes: int,
                          num_blocks_override: Optional[int], max_model_len: int) -> KVCacheConfig:
-    """Size the pool: every layer holds ``num_blocks`` blocks, so a block costs the sum of all pages."""
+    """Size the pool: a block id costs one page in every cache tensor."""
     groups = group_layers(specs)
-    bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
+    tensors = plan_shared_tensors(groups)
+    bytes_per_block = sum(specs[names[0]].page_size_bytes for names in tensors)
     num_blocks = num_blocks_override or memory_bytes // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(f"cache.kv_cache_memory={memory_bytes} bytes holds no KV block "
                          f"(one block costs {bytes_per_block} bytes over all layers)")
     block_size = groups[0].spec.block_size
-    if num_blocks * block_size < max_model_len:
+    has_window = any(isinstance(group.spec, SlidingWindowSpec) for group in groups)
+    # every group needs its own blocks for a request (a sliding group, too, while it prefills a long chunk)
+    needed = sum(group.spec.max_blocks_per_request(max_model_len) for group in groups) + int(has_window)
+    if num_blocks < needed:
         raise ConfigError(
-            f"the KV cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens), "
-            f"fewer than one request of the context length model.max_model_len={max_model_len} may need; "
-            "raise cache.kv_cache_memory (or cache.num_gpu_blocks_override) or lower model.max_model_len")
-    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %d group(s)); one request may "
-                "use up to %d tokens", num_blocks, block_size, num_blocks * block_size,
-                num_blocks * bytes_per_block / 2**20, len(groups), max_model_len)
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups)
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one request of the "
+            f"context length model.max_model_len={max_model_len} may need ({needed} blocks over "
+            f"{len(groups)} KV-cache group(s)); raise cache.kv_cache_memory (or cache.num_gpu_blocks_override) "
+            "or lower model.max_model_len")
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB; %d group(s) over %d shared tensor(s)); one request "
+                "may use up to %d tokens", num_blocks, block_size, num_blocks * bytes_per_block / 2**20,
+                len(groups), len(tensors), max_model_len)
+    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)

@@ -1,4 +1,4 @@
-"""Llama family (SmolLM2, Llama 2/3) from tensor-parallel-ready layers."""
+"""Llama family (SmolLM2, Llama 2/3, Mistral) from tensor-parallel-ready layers; the base of the other families."""
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -14,6 +14,7 @@ from engine.model.layers.linear import (MergedColumnParallelLinear, QKVParallelL
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings
 from engine.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from engine.model.model_info import layer_sliding_windows
 
 
 class LlamaMLP(nn.Module):
@@ -28,36 +29,59 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_index: int, prefix: str, sliding_window: Optional[int] = None):
+    """Fused-QKV attention with rotary embeddings; families override the class hooks below."""
+
+    qk_norm_cls: Optional[type] = None  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+
+    def __init__(self, config, layer_index: int, prefix: str):
         super().__init__()
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
-        bias = getattr(config, "attention_bias", False)
+        qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_size, self.total_num_heads,
-                                          self.total_num_kv_heads, bias=bias)
+                                          self.total_num_kv_heads, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size,
-                                        bias=getattr(config, "o_proj_bias", bias) and bias,
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size, bias=o_bias,
                                         input_partition=(self.qkv_proj.q_head_start * self.head_size, self.q_size))
-        theta, scaling = rope_settings(config)
+        if self.qk_norm_cls is not None:
+            self.q_norm = self.qk_norm_cls(self.head_size, config.rms_norm_eps)
+            self.k_norm = self.qk_norm_cls(self.head_size, config.rms_norm_eps)
+        theta, scaling = self.rope_parameters(config, layer_index)
         self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings, theta, scaling)
-        self.attn = Attention(f"{prefix}.attn", self.num_heads, self.head_size, self.head_size ** -0.5,
-                              self.num_kv_heads, sliding_window=sliding_window)
+        self.attn = Attention(f"{prefix}.attn", self.num_heads, self.head_size, self.attention_scale(config),
+                              self.num_kv_heads, sliding_window=layer_sliding_windows(config)[layer_index],
+                              logits_soft_cap=getattr(config, "attn_logit_softcapping", None))
+
+    def projection_biases(self, config) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o) as the family's checkpoints have them."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bool(getattr(config, "o_proj_bias", bias) and bias)
+
+    def rope_parameters(self, config, layer_index: int):
+        return rope_settings(config)
+
+    def attention_scale(self, config) -> float:
+        return self.head_size ** -0.5
+
+    def _norm_heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(x.shape[0], -1, self.head_size)).reshape(x.shape[0], -1)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_cls is not None:
+            q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_index: int, prefix: str):
+    def __init__(self, config, layer_index: int, prefix: str, attention_cls: type = LlamaAttention):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, f"{prefix}.self_attn")
+        self.self_attn = attention_cls(config, layer_index, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -69,16 +93,20 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     decoder_layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
 
-    def __init__(self, config, prefix: str = "model"):
+    def __init__(self, config, attention_cls: type = LlamaAttention, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i, f"{prefix}.layers.{i}")
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i, f"{prefix}.layers.{i}", attention_cls)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed(input_ids)
         for layer in self.layers:
             hidden_states = layer(positions, hidden_states)
         return self.norm(hidden_states)
@@ -88,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM head over LlamaModel; ``load_weights`` takes Hugging Face tensor names."""
 
     model_cls = LlamaModel
+    attention_cls = LlamaAttention
     # checkpoint name piece -> (fused parameter name piece, shard id)
     stacked_params_mapping = [
         (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
@@ -97,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = self.model_cls(config)
+        self.model = self.model_cls(config, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -110,8 +139,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight)
-        logits = self.tp.all_gather(logits, dim=-1)
-        return logits[..., : self.config.vocab_size].float()
+        logits = self.tp.all_gather(logits, dim=-1)[..., : self.config.vocab_size].float()
+        soft_cap = getattr(self.config, "final_logit_softcapping", None)
+        if soft_cap:
+            logits = torch.tanh(logits / soft_cap) * soft_cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into (sharded, fused) parameters; return the parameter names set."""

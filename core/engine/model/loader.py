@@ -69,8 +69,9 @@ def get_model_class(architecture: str) -> type:
 
     models = get_plugin_manager().models()
     if architecture not in models:
-        raise ConfigError(f"model architecture '{architecture}' is not supported; supported: {sorted(models)}")
-    return models[architecture]
+        raise ConfigError(f"model architecture '{architecture}' is not supported; supported: "
+                          f"{models.architectures()}")
+    return models.resolve(architecture)
 
 
 def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True) -> torch.nn.Module:

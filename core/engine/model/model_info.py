@@ -28,6 +28,15 @@ def default_model_path() -> str:
     return str(Path(spec.origin).parent / DEFAULT_MODEL_FILE)
 
 
+def layer_sliding_windows(hf_config) -> list[Optional[int]]:
+    """Each layer's attention window (None: full attention), from ``layer_types`` or ``sliding_window``."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    return [window] * hf_config.num_hidden_layers
+
+
 @dataclass
 class ModelInfo:
     """The facts about a model that the engine needs before loading its weights."""
@@ -67,11 +76,7 @@ class ModelInfo:
     @property
     def layer_sliding_windows(self) -> list[Optional[int]]:
         """Each layer's attention window (None: full attention)."""
-        window = self.sliding_window
-        layer_types = getattr(self.hf_config, "layer_types", None)
-        if layer_types:
-            return [window if kind == "sliding_attention" else None for kind in layer_types]
-        return [window] * self.num_layers
+        return layer_sliding_windows(self.hf_config)
 
     @property
     def attn_logit_softcapping(self) -> Optional[float]:

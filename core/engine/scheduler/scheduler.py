@@ -232,4 +232,4 @@ class Scheduler:
         pool = self.kv_cache_manager.block_pool
         stats = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(len(self.running), len(self.waiting), pool.get_usage(), pool.get_num_free_blocks(),
-                              pool.num_blocks, stats.queries, stats.hits, self.num_preemptions)
+                              pool.num_usable_blocks, stats.queries, stats.hits, self.num_preemptions)

@@ -90,21 +90,23 @@ class ModelRunner:
         return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate every layer's cache in the backend's layout and make one builder per group."""
+        """Allocate the cache tensors in the backend's layout (layers of different groups may share one)
+        and make one metadata builder per group."""
         self.builders = []
         own_specs = self.get_kv_cache_spec()  # this rank's heads (ranks may hold different KV-head counts)
+        for names in kv_cache_config.shared_tensors():
+            own = own_specs[names[0]]
+            shape = self.attention_backend.get_kv_cache_shape(kv_cache_config.num_blocks, own.block_size,
+                                                              own.num_kv_heads, own.head_size)
+            tensor = torch.zeros(shape, dtype=own.dtype, device=self.device)
+            for name in names:
+                self.attention_layers[name].kv_cache = tensor
         for group_id, group in enumerate(kv_cache_config.groups):
-            spec = group.spec
             for name in group.layer_names:
-                own = own_specs[name]
-                shape = self.attention_backend.get_kv_cache_shape(kv_cache_config.num_blocks, own.block_size,
-                                                                  own.num_kv_heads, own.head_size)
-                layer = self.attention_layers[name]
-                layer.kv_cache = torch.zeros(shape, dtype=own.dtype, device=self.device)
-                layer.kv_cache_group = group_id
+                self.attention_layers[name].kv_cache_group = group_id
             self.builders.append(self.attention_backend.get_builder_cls()(
-                self.vllm_config.attention.options, self.device, spec.block_size,
-                getattr(spec, "sliding_window", None)))
+                self.vllm_config.attention.options, self.device, group.spec.block_size,
+                getattr(group.spec, "sliding_window", None)))
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,13 @@ def _kernels(device: torch.device):
     from engine_attention_triton import kernels
 
     return kernels
+
+
+def _imported_without_interpreter() -> bool:
+    """Triton's own library functions (tl.sum, tl.max...) are bound to interpreter mode when triton is
+    first imported; if that happened without TRITON_INTERPRET=1, CPU launches would fail mid-kernel."""
+    standard = sys.modules.get("triton.language.standard")
+    return standard is not None and type(standard.sum).__name__ != "InterpretedFunction"
 
 
 @dataclass
@@ -95,6 +103,14 @@ class TritonAttentionBackend(AttentionBackend):
         if importlib.util.find_spec("triton") is None:
             return ["triton is not installed (pip install 'engine-attention-triton[triton]')"]
         return []
+
+    @classmethod
+    def unavailable_reasons(cls, ctx) -> list[str]:
+        reasons = super().unavailable_reasons(ctx)
+        if not reasons and ctx.device == "cpu" and _imported_without_interpreter():
+            reasons.append("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+                           "on the CPU in this process; export TRITON_INTERPRET=1 before starting Python")
+        return reasons
 
     @classmethod
     def preferred_for(cls, ctx) -> bool:

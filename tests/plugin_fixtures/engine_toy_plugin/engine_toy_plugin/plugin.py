@@ -12,7 +12,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.sample.default_sampler import DefaultSampler
 from engine.worker.worker import Worker
 
-ENGINE_CONTRACT_VERSION = "1.0"
+ENGINE_CONTRACT_VERSION = "1.1"
 CALLS = Counter()
 
 
@@ -123,5 +123,5 @@ def engine_logits_processors():
 
 
 @hookimpl
-def engine_models():
-    return {"ToyForCausalLM": ToyForCausalLM}
+def register_models(registry):
+    registry.register_model("ToyForCausalLM", "engine_toy_plugin.plugin:ToyForCausalLM")
