@@ -31,7 +31,8 @@ def reference(hf_tiny_llama):
     {"num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96},  # forces preemption
     {"enable_prefix_caching": False},
     {"max_num_seqs": 2},
-], ids=["default", "chunked", "preempt", "no-prefix", "two-seqs"])
+    {"attention": "torch", "max_num_batched_tokens": 16},  # the reference backend (auto picks cpu when built)
+], ids=["default", "chunked", "preempt", "no-prefix", "two-seqs", "torch-backend"])
 def test_greedy_matches_transformers(tiny_llama, reference, config):
     tokens, llm = engine_tokens(tiny_llama, PROMPTS, **config)
     assert tokens == reference

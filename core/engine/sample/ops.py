@@ -1,4 +1,4 @@
-"""Batched top-k / top-p masking and seeded exponential-race sampling."""
+"""Batched top-k / top-p masking and seeded inverse-CDF sampling."""
 from __future__ import annotations
 
 from typing import Optional
@@ -26,14 +26,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(p / q) with q ~ Exp(1) draws a token with probability p.
+    """Inverse-CDF sampling: one uniform draw per row, found in the row's cumulative distribution.
 
-    Rows with their own generator draw only from it, so a seeded request gets the same token
-    whatever else shares its batch.
+    The cumulative sum runs in float64 so that the tail of a 50k-token vocabulary keeps its mass, and
+    a token of probability zero is never chosen (its CDF step is flat). Rows with their own generator
+    draw only from it, so a seeded request gets the same token whatever else shares its batch.
     """
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
+    rows = probs.shape[0]
+    uniform = torch.empty(rows, 1, dtype=torch.float64, device=probs.device)
+    if len(generators) < rows:
+        uniform.uniform_()
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    return probs.div(q).argmax(dim=-1)
+        uniform[row].uniform_(generator=generator)
+    cdf = probs.double().cumsum_(dim=-1)
+    target = uniform * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

@@ -37,16 +37,34 @@ def rope_settings(hf_config) -> tuple[float, Optional[dict[str, Any]]]:
     return float(theta), scaling
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies rotary embeddings to flattened q [T, H*D] and k [T, Hkv*D] at given positions."""
+class _RopeTable:
+    """cos / sin of every position for one RoPE setting, shared by all layers that use it, and the rows
+    gathered for the current step's positions (gathered once per forward, not once per layer)."""
 
-    def __init__(self, head_size: int, max_position: int, base: float, scaling: Optional[dict[str, Any]] = None,
-                 rotary_dim: Optional[int] = None):
-        super().__init__()
-        self.head_size = head_size
-        self.rotary_dim = rotary_dim or head_size
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        # rotate_half convention: x * [cos, cos] + [-x2, x1] * [sin, sin] = x * cos_full + swap(x) * sin_full
+        self.cos = torch.cat((cos, cos), dim=-1)
+        self.sin = torch.cat((-sin, sin), dim=-1)
+        self._last: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (positions, cos, sin)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        last = self._last  # one read and one write: engines in other threads never see half an update
+        if last is None or last[0] is not positions:
+            last = (positions, self.cos.index_select(0, positions).unsqueeze(1),
+                    self.sin.index_select(0, positions).unsqueeze(1))
+            self._last = last
+        return last[1], last[2]
+
+
+_TABLES: dict[tuple, _RopeTable] = {}
+
+
+def _rope_table(rotary_dim: int, max_position: int, base: float, scaling: Optional[dict[str, Any]]) -> _RopeTable:
+    device = torch.empty(0).device  # models are built under ``with torch.device(...)``
+    key = (rotary_dim, max_position, base, repr(sorted((scaling or {}).items())), str(device))
+    if key not in _TABLES:
         # float32 throughout, as the reference implementation computes it, so that positions agree bit for bit
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         positions = torch.arange(max_position, dtype=torch.float32)
         rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
         if rope_type == "llama3":
@@ -56,20 +74,33 @@ class RotaryEmbedding(nn.Module):
         elif rope_type is not None:
             raise ValueError(f"rope scaling type '{rope_type}' is not supported (default, linear, llama3)")
         freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
+        _TABLES[key] = _RopeTable(freqs.cos().float(), freqs.sin().float())
+    return _TABLES[key]
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to flattened q [T, H*D] and k [T, Hkv*D] at given positions."""
+
+    def __init__(self, head_size: int, max_position: int, base: float, scaling: Optional[dict[str, Any]] = None,
+                 rotary_dim: Optional[int] = None):
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim or head_size
+        self.table = _rope_table(self.rotary_dim, max_position, base, scaling)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         x = x.view(tokens, -1, self.head_size)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        if rest.shape[-1]:
-            out = torch.cat((out, rest), dim=-1)
+        rot = x[..., : self.rotary_dim]
+        half = self.rotary_dim // 2
+        swapped = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + swapped * sin  # two products and a sum, rounded as the reference rounds them
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        if self.rotary_dim < self.head_size:
+            out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
         return out.reshape(tokens, -1)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        cos, sin = self.table.rows(positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

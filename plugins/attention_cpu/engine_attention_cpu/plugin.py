@@ -1,0 +1,111 @@
+"""The ``cpu`` attention backend: decode tokens through a C++ kernel that reads the paged KV cache in
+place (no gathered copy, no padding to the longest request), prompt chunks through torch's SDPA.
+
+The kernel (``csrc/paged_attention.cpp``) is compiled when this distribution is installed
+(``pip install --no-build-isolation plugins/attention_cpu``); without it the backend reports itself
+unavailable and ``auto`` falls back to ``torch``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from engine import hookimpl
+from engine.attention.paged_cache import write_to_paged_cache
+from engine.attention.torch_backend import (PrefillChunk, TorchAttentionImpl, TorchAttentionMetadataBuilder,
+                                            split_decodes)
+from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
+
+ENGINE_CONTRACT_VERSION = "1.1"
+
+
+@dataclass
+class CpuAttentionMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    decode_token_indices: Optional[torch.Tensor]  # [Bd] int64; None when the step has no decode token
+    decode_block_table: Optional[torch.Tensor]  # [Bd, max_blocks] int32, contiguous
+    decode_seq_lens: Optional[torch.Tensor]  # [Bd] int32
+    all_decode: bool  # every token of the step is a decode token (no gather / scatter needed)
+    prefills: list[PrefillChunk]
+
+
+class CpuAttentionMetadataBuilder(TorchAttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
+        decode_rows, prefill_rows = split_decodes(common)
+        indices = table = lens = None
+        all_decode = len(prefill_rows) == 0
+        if len(decode_rows):
+            if all_decode:
+                table, lens = common.block_table, common.seq_lens
+            else:
+                rows = torch.from_numpy(decode_rows)
+                table, lens = common.block_table[rows].contiguous(), common.seq_lens[rows].contiguous()
+            indices = torch.from_numpy(common.query_start_loc_np[decode_rows].astype(np.int64))
+        return CpuAttentionMetadata(common.num_actual_tokens, common.slot_mapping, indices,
+                                    table if table is None else table.to(torch.int32).contiguous(),
+                                    lens if lens is None else lens.to(torch.int32).contiguous(),
+                                    all_decode, self.build_prefills(common, prefill_rows))
+
+
+class CpuAttentionImpl(TorchAttentionImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from engine_attention_cpu import _C
+
+        self._decode = _C.paged_decode_attention
+
+    def forward(self, query, key, value, kv_cache, attn_metadata: CpuAttentionMetadata):
+        num_tokens = attn_metadata.num_actual_tokens
+        head, kv_heads = self.head_size, self.num_kv_heads
+        q = query.view(num_tokens, self.num_heads, head)
+        k = key.view(num_tokens, kv_heads, head)
+        v = value.view(num_tokens, kv_heads, head)
+        write_to_paged_cache(k, v, kv_cache, attn_metadata.slot_mapping)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        output = torch.empty(num_tokens, self.num_heads, head, dtype=query.dtype)
+        if attn_metadata.decode_token_indices is not None:
+            soft_cap = float(self.logits_soft_cap or 0.0)
+            window = int(self.sliding_window or 0)
+            if attn_metadata.all_decode:
+                self._decode(output, q.contiguous(), key_cache, value_cache, attn_metadata.decode_block_table,
+                             attn_metadata.decode_seq_lens, self.scale, soft_cap, window)
+            else:
+                idx = attn_metadata.decode_token_indices
+                decoded = torch.empty(len(idx), self.num_heads, head, dtype=query.dtype)
+                self._decode(decoded, q[idx], key_cache, value_cache, attn_metadata.decode_block_table,
+                             attn_metadata.decode_seq_lens, self.scale, soft_cap, window)
+                output[idx] = decoded
+        self.attend_prefills(q, k, v, key_cache, value_cache, attn_metadata.prefills, output)
+        return output.view(num_tokens, self.num_heads * head)
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """Paged attention for CPUs; ``auto`` prefers it over ``torch`` whenever its kernel is built."""
+
+    name = "cpu"
+    priority = 10
+    supported_devices = ("cpu",)
+
+    @classmethod
+    def library_reasons(cls) -> list[str]:
+        if importlib.util.find_spec("engine_attention_cpu._C") is None:
+            return ["its C++ kernel is not built (pip install --no-build-isolation plugins/attention_cpu)"]
+        return []
+
+    @staticmethod
+    def get_impl_cls():
+        return CpuAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return CpuAttentionMetadataBuilder
+
+
+@hookimpl
+def engine_attention_backends():
+    return [CpuAttentionBackend]
