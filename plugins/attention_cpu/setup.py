@@ -5,7 +5,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 setup(
     ext_modules=[CppExtension(
         "engine_attention_cpu._C", ["engine_attention_cpu/csrc/paged_attention.cpp"],
-        # -march=native: the extension is built on the machine that runs it (pip install builds it there)
-        extra_compile_args=["-O3", "-march=native", "-fopenmp-simd"])],
+        # -march=native: built on the machine that runs it (pip install builds it there); -fopenmp: at::parallel_for
+        # is an OpenMP pragma in a header, compiled serial without it
+        extra_compile_args=["-O3", "-march=native", "-fopenmp"], extra_link_args=["-fopenmp"])],
     cmdclass={"build_ext": BuildExtension},
 )

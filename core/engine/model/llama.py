@@ -9,6 +9,7 @@ from torch import nn
 from engine.distributed.parallel_state import get_tp_group
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.attention import Attention
+from engine.model.layers.gemm import linear
 from engine.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                         weight_loader_of)
 from engine.model.layers.norm import RMSNorm
@@ -133,12 +134,14 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tp = get_tp_group()
+        self.logits_weight: Optional[torch.Tensor] = None  # float32 copy on CPUs without half GEMMs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight)
+        weight = self.logits_weight if self.logits_weight is not None else self.lm_head.weight
+        logits = linear(hidden_states, weight)
         logits = self.tp.all_gather(logits, dim=-1)[..., : self.config.vocab_size].float()
         soft_cap = getattr(self.config, "final_logit_softcapping", None)
         if soft_cap:

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_group
+from engine.model.layers.gemm import linear
 
 
 def _param(shape: Sequence[int], loader) -> nn.Parameter:
@@ -46,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, src_offset, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -99,7 +99,7 @@ class QKVParallelLinear(nn.Module):
         param.data.narrow(0, offset * size, heads * size).copy_(loaded.narrow(0, first_head * size, heads * size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -128,7 +128,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out + self.bias if self.bias is not None else out
 
 

@@ -35,9 +35,4 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the vocabulary slice of this rank, gathered to the full vocabulary."""
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
-        logits = self.tp.all_gather(logits, dim=-1)
-        return logits[..., : self.vocab_size]
+    """The untied LM head: this rank's vocabulary slice (the model computes and gathers the logits)."""

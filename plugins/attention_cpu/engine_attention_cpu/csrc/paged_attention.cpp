@@ -10,11 +10,112 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define ENGINE_AVX2 1
+#endif
+
 namespace {
 
 template <typename scalar_t>
 inline float as_float(scalar_t x) {
   return static_cast<float>(x);
+}
+
+#ifdef ENGINE_AVX2
+// Eight consecutive elements as float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bfloat16 is the top half of a float32
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+#endif
+
+// Visits the cache rows of positions [first, last) of one request and one KV head, block by block.
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
+                         int64_t stride_tok, int64_t first, int64_t last, Fn&& fn) {
+  int64_t t = first;
+  while (t < last) {
+    const int64_t block = table[t / block_size];
+    const int64_t end = std::min(last, (t / block_size + 1) * block_size);
+    const scalar_t* row = cache + block * stride_block + (t % block_size) * stride_tok;
+    for (; t < end; ++t, row += stride_tok) fn(t, row);
+  }
+}
+
+// scores[i] = scale * q . k_(first + i) for one query head (soft-capped when cap > 0)
+template <typename scalar_t>
+void score_rows(float* scores, const float* q, const scalar_t* cache, const int32_t* table, int64_t block_size,
+                int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size,
+                float scale, float cap) {
+#ifdef ENGINE_AVX2
+  if (head_size % 32 == 0) {
+    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* k) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_size; d += 32) {  // four independent chains keep the FMA units busy
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), load8(k + d + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), load8(k + d + 24), a3);
+      }
+      scores[t - first] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) * scale;
+    });
+  } else
+#endif
+  {
+    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* k) {
+      float total = 0.f;
+      for (int64_t d = 0; d < head_size; ++d) total += q[d] * as_float(k[d]);
+      scores[t - first] = total * scale;
+    });
+  }
+  if (cap > 0.f)
+    for (int64_t i = 0; i < last - first; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+}
+
+// out[0:head_size] = sum_i p[i] * v_(first + i) for one query head
+template <typename scalar_t>
+void weigh_rows(float* out, const float* p, const scalar_t* cache, const int32_t* table, int64_t block_size,
+                int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size) {
+#ifdef ENGINE_AVX2
+  if (head_size % 64 == 0) {
+    for (int64_t d0 = 0; d0 < head_size; d0 += 64) {  // 64 columns at a time stay in eight registers
+      __m256 r0 = _mm256_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, r4 = r0, r5 = r0, r6 = r0, r7 = r0;
+      for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* v) {
+        const __m256 w = _mm256_set1_ps(p[t - first]);
+        const scalar_t* x = v + d0;
+        r0 = _mm256_fmadd_ps(w, load8(x), r0);
+        r1 = _mm256_fmadd_ps(w, load8(x + 8), r1);
+        r2 = _mm256_fmadd_ps(w, load8(x + 16), r2);
+        r3 = _mm256_fmadd_ps(w, load8(x + 24), r3);
+        r4 = _mm256_fmadd_ps(w, load8(x + 32), r4);
+        r5 = _mm256_fmadd_ps(w, load8(x + 40), r5);
+        r6 = _mm256_fmadd_ps(w, load8(x + 48), r6);
+        r7 = _mm256_fmadd_ps(w, load8(x + 56), r7);
+      });
+      float* o = out + d0;
+      _mm256_storeu_ps(o, r0); _mm256_storeu_ps(o + 8, r1); _mm256_storeu_ps(o + 16, r2);
+      _mm256_storeu_ps(o + 24, r3); _mm256_storeu_ps(o + 32, r4); _mm256_storeu_ps(o + 40, r5);
+      _mm256_storeu_ps(o + 48, r6); _mm256_storeu_ps(o + 56, r7);
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + head_size, 0.f);
+  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* v) {
+    const float w = p[t - first];
+    for (int64_t d = 0; d < head_size; ++d) out[d] += w * as_float(v[d]);
+  });
 }
 
 template <typename scalar_t>
@@ -44,59 +145,36 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   const float fcap = static_cast<float>(soft_cap);
 
   at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_size), acc(group * head_size), scores;
+    std::vector<float> q(head_size), acc(head_size), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / num_kv_heads;
       const int64_t kv_head = item % num_kv_heads;
       const int64_t seq_len = lens_ptr[row];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t n = seq_len - first;
-      scores.resize(group * n);
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = q_ptr + row * q_tok + (kv_head * group + g) * q_head;
-        for (int64_t d = 0; d < head_size; ++d) q[g * head_size + d] = as_float(src[d]);
-      }
+      scores.resize(n);
       const int32_t* table = table_ptr + row * table_row;
-      // scores = q . k for every visible key, all query heads of the group per loaded key
-      for (int64_t t = first; t < seq_len; ++t) {
-        const int64_t block = table[t / block_size];
-        const scalar_t* k = k_ptr + block * kc_block + (t % block_size) * kc_tok + kv_head * kc_head;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_size;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_size; ++d) dot += qg[d] * as_float(k[d]);
-          float s = dot * fscale;
-          if (fcap > 0.f) s = fcap * std::tanh(s / fcap);
-          scores[g * n + (t - first)] = s;
-        }
-      }
+      const scalar_t* keys = k_ptr + kv_head * kc_head;
+      const scalar_t* values = v_ptr + kv_head * vc_head;
+      // one query head at a time: its rows of K and V stay in L2 for the next head of the group
       for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
+        const int64_t head = kv_head * group + g;
+        const scalar_t* src = q_ptr + row * q_tok + head * q_head;
+        for (int64_t d = 0; d < head_size; ++d) q[d] = as_float(src[d]);
+        score_rows(scores.data(), q.data(), keys, table, block_size, kc_block, kc_tok, first, seq_len, head_size,
+                   fscale, fcap);
         float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) peak = std::max(peak, sg[i]);
+        for (int64_t i = 0; i < n; ++i) peak = std::max(peak, scores[i]);
         float total = 0.f;
         for (int64_t i = 0; i < n; ++i) {
-          sg[i] = std::exp(sg[i] - peak);
-          total += sg[i];
+          scores[i] = std::exp(scores[i] - peak);
+          total += scores[i];
         }
         const float inv = 1.f / total;
-        for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < seq_len; ++t) {
-        const int64_t block = table[t / block_size];
-        const scalar_t* v = v_ptr + block * vc_block + (t % block_size) * vc_tok + kv_head * vc_head;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + (t - first)];
-          float* ag = acc.data() + g * head_size;
-#pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) ag[d] += p * as_float(v[d]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = out_ptr + row * o_tok + (kv_head * group + g) * o_head;
-        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_size + d]);
+        for (int64_t i = 0; i < n; ++i) scores[i] *= inv;
+        weigh_rows(acc.data(), scores.data(), values, table, block_size, vc_block, vc_tok, first, seq_len, head_size);
+        scalar_t* dst = out_ptr + row * o_tok + head * o_head;
+        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
       }
     }
   });
@@ -120,10 +198,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, out and caches must share a dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, scale, soft_cap,
-                                    sliding_window);
-  });
+  AT_DISPATCH_SWITCH(query.scalar_type(), "paged_decode_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
+        block_table, seq_lens, scale, soft_cap, sliding_window); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
+        block_table, seq_lens, scale, soft_cap, sliding_window); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
+        block_table, seq_lens, scale, soft_cap, sliding_window); }));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,0 +1,37 @@
+"""bfloat16 models on CPUs without bfloat16 GEMMs: float32 weights, products rounded to bfloat16."""
+from __future__ import annotations
+
+import torch
+
+from engine.model.layers import gemm
+from engine.model.layers.gemm import linear, widen_gemm_weights
+
+
+def test_widened_product_is_a_bf16_gemm_with_float32_accumulation():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=gen).bfloat16()
+    w = torch.randn(96, 64, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    out = linear(x, w.float(), bias.float())
+    assert out.dtype == torch.bfloat16
+    expected = (x.double() @ w.double().T + bias.double()).bfloat16()  # exact sum, one rounding
+    assert (out.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2 ** -7
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), atol=0.1, rtol=2 ** -6)
+
+
+def test_widening_follows_the_cpu(monkeypatch, tiny_llama):
+    from engine.config import ModelConfig
+    from engine.model.loader import load_model
+    from engine.model.model_info import resolve_model
+
+    info = resolve_model(ModelConfig(model=tiny_llama, dtype="bfloat16"))
+    monkeypatch.setattr(gemm, "cpu_has_half_gemm", lambda dtype: False)
+    widened = load_model(info, torch.device("cpu"), show_progress=False)
+    qkv = widened.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32 and widened.logits_weight.dtype == torch.float32
+    assert widened.model.embed_tokens.weight.dtype == torch.bfloat16  # lookups stay in the model dtype
+    monkeypatch.setattr(gemm, "cpu_has_half_gemm", lambda dtype: True)
+    native = load_model(info, torch.device("cpu"), show_progress=False)
+    assert native.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert not widen_gemm_weights(native, torch.float32, torch.device("cpu"))
+    assert torch.equal(qkv.weight.bfloat16(), native.model.layers[0].self_attn.qkv_proj.weight)
