@@ -105,6 +105,12 @@ def test_backend_matches_reference(backend_name, block_size, heads, variant, dty
         pytest.skip("interpreted kernels: the full matrix runs on GPUs; the CPU runs every variant once "
                     "and the other dtype / block size on the plain GQA case")
     case = make_case(block_size + num_heads, block_size, num_heads, num_kv_heads, head_size, dtype, device)
+    canonical = case["cache"].shape  # [2, blocks, block_size, kv_heads, head_size]
+    layout = backend.get_kv_cache_shape(canonical[1], block_size, num_kv_heads, head_size)
+    head_major = layout == (canonical[0], canonical[1], num_kv_heads, block_size, head_size)
+    assert layout == canonical or head_major, f"{backend_name}: test knows no cache layout {layout}"
+    if head_major:
+        case["cache"] = case["cache"].transpose(2, 3).contiguous()
     scale = 1 / math.sqrt(head_size)
     impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, sliding_window, soft_cap, {})
     builder = backend.get_builder_cls()({}, torch.device(device), block_size, sliding_window)
@@ -118,7 +124,8 @@ def test_backend_matches_reference(backend_name, block_size, heads, variant, dty
                                atol=tolerance, rtol=tolerance)
     # the new K/V landed in their slots
     slots = case["common"].slot_mapping.to(device)
-    cached_k = case["cache"][0].reshape(-1, num_kv_heads, head_size)[slots]
+    key_cache = case["cache"][0].transpose(1, 2) if head_major else case["cache"][0]
+    cached_k = key_cache.reshape(-1, num_kv_heads, head_size)[slots]
     torch.testing.assert_close(cached_k.float().cpu(), case["k"].to(dtype).float())
 
 

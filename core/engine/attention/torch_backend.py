@@ -123,10 +123,13 @@ class TorchAttentionImpl(AttentionImpl):
         self.attend_prefills(q, k, v, key_cache, value_cache, attn_metadata.prefills, output)
         return output.view(num_tokens, self.num_heads * head)
 
+    def gather_context(self, cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """[Hkv, seq_len, D]: one request's first ``seq_len`` keys (or values) from its blocks."""
+        return cache[block_ids].view(-1, self.num_kv_heads, self.head_size)[:seq_len].transpose(0, 1)
+
     def attend_prefills(self, q, k, v, key_cache, value_cache, prefills: list[PrefillChunk],
                         output: torch.Tensor) -> None:
         """Each prompt chunk in one SDPA call: on its own K/V, or over the gathered blocks with a prefix."""
-        kv_heads, head = self.num_kv_heads, self.head_size
         for chunk in prefills:
             qp = q[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)
             if chunk.context_len == 0:
@@ -134,8 +137,8 @@ class TorchAttentionImpl(AttentionImpl):
                 vp = v[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)
             else:
                 seq_len = chunk.context_len + chunk.q_end - chunk.q_start
-                kp = key_cache[chunk.block_ids].view(-1, kv_heads, head)[:seq_len].transpose(0, 1).unsqueeze(0)
-                vp = value_cache[chunk.block_ids].view(-1, kv_heads, head)[:seq_len].transpose(0, 1).unsqueeze(0)
+                kp = self.gather_context(key_cache, chunk.block_ids, seq_len).unsqueeze(0)
+                vp = self.gather_context(value_cache, chunk.block_ids, seq_len).unsqueeze(0)
             out = self._attend(qp, kp, vp, chunk.mask, is_causal=chunk.mask is None)
             output[chunk.q_start:chunk.q_end] = out.squeeze(0).transpose(0, 1)
 

@@ -55,6 +55,11 @@ def add_bench_parser(sub, add_config_flags) -> None:
     add_config_flags(lat)
     lat.set_defaults(func=cmd_latency)
 
+    st = kinds.add_parser("startup", help="launch `engine serve` and time it to the first token served")
+    st.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments passed on to engine serve")
+    st.add_argument("--output")
+    st.set_defaults(func=cmd_startup)
+
     srv = kinds.add_parser("serve", help="drive a running OpenAI-compatible server with Poisson arrivals")
     srv.add_argument("--url", default="http://127.0.0.1:8000")
     srv.add_argument("--served-model", dest="served_model", default=None, help="model name to send")
@@ -164,6 +169,16 @@ def cmd_latency(args) -> int:
 
         cdf_plot(args.plot, {f"batch {args.batch_size}": result["latencies_s"]}, "batch latency (s)",
                  "engine bench latency")
+    return 0
+
+
+def cmd_startup(args) -> int:
+    from engine.bench.startup import measure_startup
+
+    result = measure_startup([a for a in args.serve_args if a != "--"])
+    print(json.dumps(result, indent=1))
+    if args.output:
+        write_json(args.output, {"benchmark": "startup", "environment": environment(), **result})
     return 0
 
 

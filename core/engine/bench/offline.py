@@ -80,23 +80,32 @@ def run_peer_transformers(model_info, requests: list[BenchRequest], temperature:
             "peak_rss_mib": peak_rss_mib()}
 
 
+def _in_fresh_process(fn, *args):
+    """Run one measurement in a spawned process: no allocator or thread state carries over between runs,
+    and the peak resident memory reported is that run's own."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
 def run_throughput_ab(base: dict[str, Any], variants: list[tuple[str, dict[str, Any]]], requests: list[BenchRequest],
                       temperature: float, repeats: int,
                       peers: Optional[list[tuple[str, Callable[[], dict]]]] = None) -> list[dict]:
-    """Every variant (and peer) ``repeats`` times, alternating (A B A B ...); the median run of each is
-    reported. Peers run in their own processes between the engine's runs."""
+    """Every variant (and peer) ``repeats`` times, alternating (A B A B ...); the (lower) median run of
+    each is reported, every run is kept. Peers run in their own processes between the engine's runs."""
     runs: dict[str, list[dict]] = {label: [] for label, _ in [*variants, *(peers or [])]}
     for round_index in range(repeats):
         for label, overrides in variants:
             logger.info("bench round %d: %s", round_index + 1, label)
-            runs[label].append(run_throughput_once({**base, **overrides}, requests, temperature))
+            runs[label].append(_in_fresh_process(run_throughput_once, {**base, **overrides}, requests, temperature))
         for label, run_peer in peers or []:
             logger.info("bench round %d: %s", round_index + 1, label)
             runs[label].append(run_peer())
     results = []
     for label, overrides in [*variants, *((label, {"peer": label}) for label, _ in peers or [])]:
         ordered = sorted(runs[label], key=lambda r: r["total_tokens_per_s"])
-        median = ordered[len(ordered) // 2]
+        median = ordered[(len(ordered) - 1) // 2]  # the lower median: with two runs, the slower one
         results.append({"variant": label, "config": overrides, **median,
                         "runs_total_tokens_per_s": [r["total_tokens_per_s"] for r in runs[label]]})
     first = results[0]["total_tokens_per_s"]

@@ -12,7 +12,8 @@ from typing import Callable, Optional
 DEFAULT_VLLM_SCRIPT = os.path.join("..", "shared", "bench", "peer_vllm_cpu.py")
 
 
-def _tree_rss_bytes(pid: int) -> int:
+def _tree_rss_bytes(pid: int, seen: dict) -> int:
+    """Resident bytes of a process and its descendants (remembered in ``seen`` for the clean-up)."""
     import psutil
 
     try:
@@ -22,6 +23,7 @@ def _tree_rss_bytes(pid: int) -> int:
         return 0
     total = 0
     for proc in procs:
+        seen.setdefault(proc.pid, proc)
         try:
             total += proc.memory_info().rss
         except psutil.NoSuchProcess:
@@ -29,18 +31,29 @@ def _tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def _reap(processes: dict, grace_s: float = 60) -> None:
+    """Wait for every process the peer started to go (its engine processes may outlive it), then kill."""
+    import psutil
+
+    alive = [p for p in processes.values() if p.is_running()]
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for proc in alive:
+        proc.kill()
+
+
 def run_script_peer(command: list[str], cwd: Optional[str] = None, timeout_s: float = 3600) -> dict:
     """Run a peer script that prints one JSON result line (the last line starting with '{')."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, text=True)
-        peak = 0
+        peak, seen = 0, {}
         while proc.poll() is None:
-            peak = max(peak, _tree_rss_bytes(proc.pid))
+            peak = max(peak, _tree_rss_bytes(proc.pid, seen))
             if time.perf_counter() - start > timeout_s:
                 proc.kill()
                 raise RuntimeError(f"peer {' '.join(command)} ran past {timeout_s:.0f} s")
             time.sleep(0.5)
+        _reap(seen)  # the next run must start on an idle machine
         out.seek(0)
         err.seek(0)
         lines = [line for line in out.read().splitlines() if line.startswith("{")]

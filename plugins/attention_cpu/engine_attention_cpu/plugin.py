@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from engine import hookimpl
-from engine.attention.paged_cache import write_to_paged_cache
 from engine.attention.torch_backend import (PrefillChunk, TorchAttentionImpl, TorchAttentionMetadataBuilder,
                                             split_decodes)
 from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
@@ -65,8 +64,13 @@ class CpuAttentionImpl(TorchAttentionImpl):
         q = query.view(num_tokens, self.num_heads, head)
         k = key.view(num_tokens, kv_heads, head)
         v = value.view(num_tokens, kv_heads, head)
-        write_to_paged_cache(k, v, kv_cache, attn_metadata.slot_mapping)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        # head-major blocks [blocks, Hkv, block_size, D], seen token-major as [blocks, block_size, Hkv, D]
+        key_cache, value_cache = kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
+        block_size = key_cache.shape[1]
+        slots = attn_metadata.slot_mapping
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets] = k
+        value_cache[blocks, offsets] = v
         output = torch.empty(num_tokens, self.num_heads, head, dtype=query.dtype)
         if attn_metadata.decode_token_indices is not None:
             soft_cap = float(self.logits_soft_cap or 0.0)
@@ -80,8 +84,12 @@ class CpuAttentionImpl(TorchAttentionImpl):
                 self._decode(decoded, q[idx], key_cache, value_cache, attn_metadata.decode_block_table,
                              attn_metadata.decode_seq_lens, self.scale, soft_cap, window)
                 output[idx] = decoded
-        self.attend_prefills(q, k, v, key_cache, value_cache, attn_metadata.prefills, output)
+        self.attend_prefills(q, k, v, kv_cache[0], kv_cache[1], attn_metadata.prefills, output)
         return output.view(num_tokens, self.num_heads * head)
+
+    def gather_context(self, cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """cache [blocks, Hkv, block_size, D] -> [Hkv, seq_len, D]."""
+        return cache[block_ids].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -90,6 +98,11 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     priority = 10
     supported_devices = ("cpu",)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """K and V with each (block, KV head) contiguous: a decode walks one head's rows without strides."""
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     @classmethod
     def library_reasons(cls) -> list[str]:
