@@ -28,10 +28,26 @@ def test_widening_follows_the_cpu(monkeypatch, tiny_llama):
     monkeypatch.setattr(gemm, "cpu_has_half_gemm", lambda dtype: False)
     widened = load_model(info, torch.device("cpu"), show_progress=False)
     qkv = widened.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == torch.float32 and widened.logits_weight.dtype == torch.float32
+    assert qkv.weight.dtype == torch.float32 and widened.logits_gemm is not None
     assert widened.model.embed_tokens.weight.dtype == torch.bfloat16  # lookups stay in the model dtype
     monkeypatch.setattr(gemm, "cpu_has_half_gemm", lambda dtype: True)
     native = load_model(info, torch.device("cpu"), show_progress=False)
     assert native.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert native.logits_gemm is None  # native bf16 GEMMs: the LM head stays in bf16 too
     assert not widen_gemm_weights(native, torch.float32, torch.device("cpu"))
     assert torch.equal(qkv.weight.bfloat16(), native.model.layers[0].self_attn.qkv_proj.weight)
+
+
+def test_packed_lm_head_matches_the_plain_product():
+    from engine.model.layers.gemm import PackedLinear
+
+    if not torch.backends.mkldnn.is_available():
+        import pytest
+
+        pytest.skip("no oneDNN in this torch build")
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(1000, 64, generator=gen)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(PackedLinear(weight)(x), x @ weight.T, atol=1e-4, rtol=1e-5)
+        assert PackedLinear(weight)(x.bfloat16()).dtype == torch.bfloat16

@@ -134,14 +134,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tp = get_tp_group()
-        self.logits_weight: Optional[torch.Tensor] = None  # float32 copy on CPUs without half GEMMs
+        self.logits_gemm = None  # set by the loader on CPUs: a packed float32 LM-head product
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.logits_weight if self.logits_weight is not None else self.lm_head.weight
-        logits = linear(hidden_states, weight)
+        if self.logits_gemm is not None:
+            logits = self.logits_gemm(hidden_states)
+        else:
+            logits = linear(hidden_states, self.lm_head.weight)
         logits = self.tp.all_gather(logits, dim=-1)[..., : self.config.vocab_size].float()
         soft_cap = getattr(self.config, "final_logit_softcapping", None)
         if soft_cap:

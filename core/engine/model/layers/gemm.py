@@ -44,10 +44,37 @@ def widen_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.devic
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)):
             module.weight.data = module.weight.data.float()
-    logits = getattr(model, "lm_head", None)
-    if logits is not None:  # tied or not, the LM head gets its own float32 copy; the embedding stays as is
-        model.logits_weight = logits.weight.detach().float()
     logger.info("this CPU (%s) has no native %s GEMM: linear weights are kept in float32 and products round "
                 "to %s (a %s GEMM with float32 accumulation)", torch.backends.cpu.get_cpu_capability(),
                 str(dtype).replace("torch.", ""), *(str(dtype).replace("torch.", ""),) * 2)
+    return True
+
+
+class PackedLinear:
+    """``x @ weight.T`` through oneDNN with the weight packed once into its blocked layout.
+
+    Used for the LM head on CPUs: its products have few rows (one per sampled request), where oneDNN's
+    packed kernels run about twice as fast as the plain GEMM. Computes in float32, returns x's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), self.packed, None, "none", [], "")
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def pack_logits_gemm(model: nn.Module, dtype: torch.dtype, device: torch.device, widened: bool) -> bool:
+    """Give the model a packed float32 LM-head product (``model.logits_gemm``) on CPUs; True if it did."""
+    head = getattr(model, "lm_head", None)
+    if device.type != "cpu" or head is None or not hasattr(model, "logits_gemm"):
+        return False
+    if not (dtype == torch.float32 or widened) or not torch.backends.mkldnn.is_available():
+        return False  # a CPU with native 16-bit GEMMs keeps the model's own dtype
+    try:
+        model.logits_gemm = PackedLinear(head.weight)
+    except RuntimeError as exc:  # a oneDNN build without this primitive: the plain GEMM stays
+        logger.info("LM head stays on the plain GEMM: %s", exc)
+        return False
     return True
