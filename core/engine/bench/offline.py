@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 def _params(requests: list[BenchRequest], temperature: float):
     from engine import SamplingParams
 
-    return [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True, seed=i)
-            for i, r in enumerate(requests)]
+    # one global seed (model.seed), no per-request seeds: what WORKLOAD.md and the vLLM peer do
+    return [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True) for r in requests]
 
 
 def _prompts(requests: list[BenchRequest]) -> list:
