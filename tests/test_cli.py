@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ def test_generate_prints_text_and_logs_start_up(tiny_llama, tmp_path):
     assert all(len(line["token_ids"]) == 5 and line["finish_reason"] == "length" for line in lines)
     log = result.stderr
     assert "'block_size': 32" in log and "'max_num_seqs': 4" in log  # config summary from the file
-    assert "plugin attention" in log and "torch" in log and "plugin executor" in log
+    assert re.search(r"plugin attention\s+(cpu|torch) ", log) and "plugin executor" in log  # cpu when built
     assert "KV cache:" in log and "blocks of 32 tokens" in log
     assert "Processed prompts" in log  # tqdm progress
 
