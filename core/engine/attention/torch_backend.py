@@ -102,12 +102,16 @@ class TorchAttentionImpl(AttentionImpl):
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
+    def split_heads(self, query, key, value, num_tokens: int):
+        """[T, H*D] inputs as [T, H, D] views: q with the query heads, k and v with the KV heads."""
+        return (query.view(num_tokens, self.num_heads, self.head_size),
+                key.view(num_tokens, self.num_kv_heads, self.head_size),
+                value.view(num_tokens, self.num_kv_heads, self.head_size))
+
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchAttentionMetadata):
         num_tokens = attn_metadata.num_actual_tokens
         head, kv_heads = self.head_size, self.num_kv_heads
-        q = query.view(num_tokens, self.num_heads, head)
-        k = key.view(num_tokens, kv_heads, head)
-        v = value.view(num_tokens, kv_heads, head)
+        q, k, v = self.split_heads(query, key, value, num_tokens)
         write_to_paged_cache(k, v, kv_cache, attn_metadata.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, Hkv, D]
         output = torch.empty_like(q)

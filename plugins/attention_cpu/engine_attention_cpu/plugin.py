@@ -60,10 +60,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
 
     def forward(self, query, key, value, kv_cache, attn_metadata: CpuAttentionMetadata):
         num_tokens = attn_metadata.num_actual_tokens
-        head, kv_heads = self.head_size, self.num_kv_heads
-        q = query.view(num_tokens, self.num_heads, head)
-        k = key.view(num_tokens, kv_heads, head)
-        v = value.view(num_tokens, kv_heads, head)
+        head = self.head_size
+        q, k, v = self.split_heads(query, key, value, num_tokens)
         # head-major blocks [blocks, Hkv, block_size, D], seen token-major as [blocks, block_size, Hkv, D]
         key_cache, value_cache = kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
         block_size = key_cache.shape[1]
