@@ -44,9 +44,9 @@ def widen_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.devic
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)):
             module.weight.data = module.weight.data.float()
+    name = str(dtype).replace("torch.", "")
     logger.info("this CPU (%s) has no native %s GEMM: linear weights are kept in float32 and products round "
-                "to %s (a %s GEMM with float32 accumulation)", torch.backends.cpu.get_cpu_capability(),
-                str(dtype).replace("torch.", ""), *(str(dtype).replace("torch.", ""),) * 2)
+                "to %s (a %s GEMM with float32 accumulation)", torch.backends.cpu.get_cpu_capability(), name, name, name)
     return True
 
 
