@@ -29,11 +29,13 @@ def test_widening_follows_the_cpu(monkeypatch, tiny_llama):
     widened = load_model(info, torch.device("cpu"), show_progress=False)
     qkv = widened.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float32 and widened.logits_gemm is not None
+    assert qkv.packed is not None and widened.model.layers[0].mlp.down_proj.packed is not None
     assert widened.model.embed_tokens.weight.dtype == torch.bfloat16  # lookups stay in the model dtype
     monkeypatch.setattr(gemm, "cpu_has_half_gemm", lambda dtype: True)
     native = load_model(info, torch.device("cpu"), show_progress=False)
     assert native.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     assert native.logits_gemm is None  # native bf16 GEMMs: the LM head stays in bf16 too
+    assert native.model.layers[0].self_attn.qkv_proj.packed is None
     assert not widen_gemm_weights(native, torch.float32, torch.device("cpu"))
     assert torch.equal(qkv.weight.bfloat16(), native.model.layers[0].self_attn.qkv_proj.weight)
 
@@ -51,3 +53,30 @@ def test_packed_lm_head_matches_the_plain_product():
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(PackedLinear(weight)(x), x @ weight.T, atol=1e-4, rtol=1e-5)
         assert PackedLinear(weight)(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_packed_linear_layers_match_the_plain_products(tiny_llama):
+    """Every linear layer of a float32 model on the CPU runs through oneDNN's packed weights, and each
+    gives the plain product (bias included; the row-parallel bias after the reduction)."""
+    from engine.config import ModelConfig
+    from engine.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from engine.model.loader import load_model
+    from engine.model.model_info import resolve_model
+
+    if not torch.backends.mkldnn.is_available():
+        import pytest
+
+        pytest.skip("no oneDNN in this torch build")
+    model = load_model(resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"),
+                       show_progress=False)
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
+    assert linears and all(m.packed is not None for m in linears)
+    gen = torch.Generator().manual_seed(2)
+    for module in linears:
+        x = torch.randn(9, module.weight.shape[1], generator=gen)
+        if module.bias is not None:
+            module.bias.data.normal_(generator=gen)
+            module.packed = gemm.PackedLinear(module.weight, module.bias)
+        plain = torch.nn.functional.linear(x, module.weight, module.bias)
+        torch.testing.assert_close(module(x), plain, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(module(x[:0]), plain[:0])  # an empty batch keeps its shape

@@ -31,6 +31,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = sum(self.output_sizes) // self.tp_size
         self.weight = _param((self.output_size_per_partition, input_size), self.weight_loader)
         self.bias = _param((self.output_size_per_partition,), self.weight_loader) if bias else None
+        self.packed = None  # set by the loader on CPUs: the same product through oneDNN's packed layout
 
     def shard_bounds(self, shard_id) -> tuple[int, int, int]:
         """(offset in this rank's param, size, offset in the full checkpoint tensor) of a shard."""
@@ -46,7 +47,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, src_offset, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -92,6 +93,7 @@ class QKVParallelLinear(nn.Module):
         rows = (q_count + 2 * kv_count) * head_size
         self.weight = _param((rows, hidden_size), self.weight_loader)
         self.bias = _param((rows,), self.weight_loader) if bias else None
+        self.packed = None  # set by the loader on CPUs: the same product through oneDNN's packed layout
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         offset, first_head, heads = self.shards[shard_id]
@@ -99,7 +101,7 @@ class QKVParallelLinear(nn.Module):
         param.data.narrow(0, offset * size, heads * size).copy_(loaded.narrow(0, first_head * size, heads * size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -119,6 +121,7 @@ class RowParallelLinear(nn.Module):
         self.input_start, self.input_size_per_partition = input_partition
         self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader)
         self.bias = _param((output_size,), self._bias_loader) if bias else None
+        self.packed = None  # set by the loader on CPUs: the same product through oneDNN's packed layout
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded.narrow(1, self.input_start, self.input_size_per_partition))
@@ -128,7 +131,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight, packed=self.packed))
         return out + self.bias if self.bias is not None else out
 
 
