@@ -1,13 +1,15 @@
 // Paged decode attention for the CPU: one query token per request, read straight from the paged
 // KV cache (no gathered copy), GQA-aware (each K/V row is loaded once for all query heads that share
 // it), causal, with an optional sliding window and logit soft-capping. Softmax and accumulation in
-// float32 whatever the cache dtype. Work is split over (request, KV head) with at::parallel_for.
+// float32 whatever the cache dtype. Work is split over (request, KV head) with at::parallel_for; the
+// next block's rows are prefetched, and the softmax exponentials are vectorised.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -41,81 +43,172 @@ inline float horizontal_sum(__m256 v) {
 #endif
 
 // Visits the cache rows of positions [first, last) of one request and one KV head, block by block.
+// On entering a block it prefetches the bytes [prefetch_from, prefetch_to) of every row of the next
+// one: blocks are scattered, so the hardware prefetcher cannot guess the next page.
 template <typename scalar_t, typename Fn>
 inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
-                         int64_t stride_tok, int64_t first, int64_t last, Fn&& fn) {
+                         int64_t stride_tok, int64_t first, int64_t last, int64_t prefetch_from,
+                         int64_t prefetch_to, Fn&& fn) {
   int64_t t = first;
   while (t < last) {
-    const int64_t block = table[t / block_size];
-    const int64_t end = std::min(last, (t / block_size + 1) * block_size);
-    const scalar_t* row = cache + block * stride_block + (t % block_size) * stride_tok;
+    const int64_t index = t / block_size;
+    const int64_t end = std::min(last, (index + 1) * block_size);
+#ifdef ENGINE_AVX2
+    if (end < last) {
+      const char* next = reinterpret_cast<const char*>(cache + table[index + 1] * stride_block);
+      for (int64_t r = 0; r < std::min(block_size, last - end); ++r)
+        for (int64_t b = prefetch_from; b < prefetch_to; b += 64)
+          _mm_prefetch(next + r * stride_tok * int64_t(sizeof(scalar_t)) + b, _MM_HINT_T0);
+    }
+#endif
+    const scalar_t* row = cache + table[index] * stride_block + (t % block_size) * stride_tok;
     for (; t < end; ++t, row += stride_tok) fn(t, row);
   }
 }
 
-// scores[i] = scale * q . k_(first + i) for one query head (soft-capped when cap > 0)
-template <typename scalar_t>
+#ifdef ENGINE_AVX2
+// e^x for x <= 0 (softmax arguments): x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial
+// (Cephes' expf coefficients), 2^n from the exponent bits. About 1 ulp from std::exp.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: the smallest normal power stays exact
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+#endif
+
+// In place: p = softmax(p[0:n]).
+inline void softmax(float* p, int64_t n) {
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, p[i]);
+  float total = 0.f;
+  int64_t i = 0;
+#ifdef ENGINE_AVX2
+  const __m256 shift = _mm256_set1_ps(peak);
+  __m256 sums = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
+    _mm256_storeu_ps(p + i, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  total = horizontal_sum(sums);
+#endif
+  for (; i < n; ++i) {
+    p[i] = std::exp(p[i] - peak);
+    total += p[i];
+  }
+  const float inv = 1.f / total;
+  for (int64_t j = 0; j < n; ++j) p[j] *= inv;
+}
+
+// scores[g * n + i] = scale * q_g . k_(first + i) for the G query heads q (G rows of head_size floats)
+// that share one KV head: each K row is read once for all of them. Soft-capped when cap > 0.
+template <int G, typename scalar_t>
 void score_rows(float* scores, const float* q, const scalar_t* cache, const int32_t* table, int64_t block_size,
                 int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size,
                 float scale, float cap) {
+  const int64_t n = last - first;
+  const int64_t row_bytes = head_size * int64_t(sizeof(scalar_t));
 #ifdef ENGINE_AVX2
-  if (head_size % 32 == 0) {
-    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* k) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (int64_t d = 0; d < head_size; d += 32) {  // four independent chains keep the FMA units busy
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), load8(k + d + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), load8(k + d + 24), a3);
+  if (head_size % 16 == 0) {
+    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0, row_bytes,
+                 [&](int64_t t, const scalar_t* k) {
+      __m256 a[G][2];
+      for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_size; d += 16) {
+        const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
+        for (int g = 0; g < G; ++g) {
+          a[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_size + d), k0, a[g][0]);
+          a[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_size + d + 8), k1, a[g][1]);
+        }
       }
-      scores[t - first] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) * scale;
+      for (int g = 0; g < G; ++g) scores[g * n + t - first] = horizontal_sum(_mm256_add_ps(a[g][0], a[g][1])) * scale;
     });
   } else
 #endif
   {
-    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* k) {
-      float total = 0.f;
-      for (int64_t d = 0; d < head_size; ++d) total += q[d] * as_float(k[d]);
-      scores[t - first] = total * scale;
+    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0, row_bytes,
+                 [&](int64_t t, const scalar_t* k) {
+      for (int g = 0; g < G; ++g) {
+        float total = 0.f;
+        for (int64_t d = 0; d < head_size; ++d) total += q[g * head_size + d] * as_float(k[d]);
+        scores[g * n + t - first] = total * scale;
+      }
     });
   }
   if (cap > 0.f)
-    for (int64_t i = 0; i < last - first; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+    for (int64_t i = 0; i < G * n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
 }
 
-// out[0:head_size] = sum_i p[i] * v_(first + i) for one query head
-template <typename scalar_t>
+#ifdef ENGINE_AVX2
+// out[g * head_size + d0 : + 8W] = sum_i p[g * n + i] * v_(first + i)[d0 : d0 + 8W] for G heads at once.
+template <int G, int W, typename scalar_t>
+void weigh_slice(float* out, const float* p, const scalar_t* cache, const int32_t* table, int64_t block_size,
+                 int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size,
+                 int64_t d0) {
+  const int64_t n = last - first;
+  __m256 acc[G][W];
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w) acc[g][w] = _mm256_setzero_ps();
+  const int64_t from = d0 * int64_t(sizeof(scalar_t)), to = (d0 + 8 * W) * int64_t(sizeof(scalar_t));
+  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, from, to,
+               [&](int64_t t, const scalar_t* v) {
+    __m256 weight[G];
+    for (int g = 0; g < G; ++g) weight[g] = _mm256_set1_ps(p[g * n + t - first]);
+    for (int w = 0; w < W; ++w) {
+      const __m256 x = load8(v + d0 + 8 * w);
+      for (int g = 0; g < G; ++g) acc[g][w] = _mm256_fmadd_ps(weight[g], x, acc[g][w]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + g * head_size + d0 + 8 * w, acc[g][w]);
+}
+#endif
+
+// out[g * head_size + d] = sum_i p[g * n + i] * v_(first + i)[d] for the G heads that share one KV head.
+template <int G, typename scalar_t>
 void weigh_rows(float* out, const float* p, const scalar_t* cache, const int32_t* table, int64_t block_size,
                 int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size) {
 #ifdef ENGINE_AVX2
-  if (head_size % 64 == 0) {
-    for (int64_t d0 = 0; d0 < head_size; d0 += 64) {  // 64 columns at a time stay in eight registers
-      __m256 r0 = _mm256_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, r4 = r0, r5 = r0, r6 = r0, r7 = r0;
-      for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* v) {
-        const __m256 w = _mm256_set1_ps(p[t - first]);
-        const scalar_t* x = v + d0;
-        r0 = _mm256_fmadd_ps(w, load8(x), r0);
-        r1 = _mm256_fmadd_ps(w, load8(x + 8), r1);
-        r2 = _mm256_fmadd_ps(w, load8(x + 16), r2);
-        r3 = _mm256_fmadd_ps(w, load8(x + 24), r3);
-        r4 = _mm256_fmadd_ps(w, load8(x + 32), r4);
-        r5 = _mm256_fmadd_ps(w, load8(x + 40), r5);
-        r6 = _mm256_fmadd_ps(w, load8(x + 48), r6);
-        r7 = _mm256_fmadd_ps(w, load8(x + 56), r7);
-      });
-      float* o = out + d0;
-      _mm256_storeu_ps(o, r0); _mm256_storeu_ps(o + 8, r1); _mm256_storeu_ps(o + 16, r2);
-      _mm256_storeu_ps(o + 24, r3); _mm256_storeu_ps(o + 32, r4); _mm256_storeu_ps(o + 40, r5);
-      _mm256_storeu_ps(o + 48, r6); _mm256_storeu_ps(o + 56, r7);
-    }
+  if (head_size % 16 == 0) {  // 32 columns at a time (G x 4 accumulators fit the 16 registers), then 16
+    int64_t d0 = 0;
+    for (; d0 + 32 <= head_size; d0 += 32)
+      weigh_slice<G, 4>(out, p, cache, table, block_size, stride_block, stride_tok, first, last, head_size, d0);
+    if (d0 < head_size)
+      weigh_slice<G, 2>(out, p, cache, table, block_size, stride_block, stride_tok, first, last, head_size, d0);
     return;
   }
 #endif
-  std::fill(out, out + head_size, 0.f);
-  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, [&](int64_t t, const scalar_t* v) {
-    const float w = p[t - first];
-    for (int64_t d = 0; d < head_size; ++d) out[d] += w * as_float(v[d]);
+  const int64_t n = last - first;
+  std::fill(out, out + G * head_size, 0.f);
+  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0,
+               head_size * int64_t(sizeof(scalar_t)), [&](int64_t t, const scalar_t* v) {
+    for (int g = 0; g < G; ++g) {
+      const float w = p[g * n + t - first];
+      for (int64_t d = 0; d < head_size; ++d) out[g * head_size + d] += w * as_float(v[d]);
+    }
   });
+}
+
+// Attention of G consecutive query heads (sharing one KV head) of one request: q and acc hold G rows.
+template <int G, typename scalar_t>
+void attend_heads(float* acc, float* scores, const float* q, const scalar_t* keys, const scalar_t* values,
+                  const int32_t* table, int64_t block_size, int64_t kc_block, int64_t kc_tok, int64_t vc_block,
+                  int64_t vc_tok, int64_t first, int64_t last, int64_t head_size, float scale, float cap) {
+  const int64_t n = last - first;
+  score_rows<G>(scores, q, keys, table, block_size, kc_block, kc_tok, first, last, head_size, scale, cap);
+  for (int g = 0; g < G; ++g) softmax(scores + g * n, n);
+  weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, head_size);
 }
 
 template <typename scalar_t>
@@ -143,38 +236,41 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   const int64_t table_row = block_table.stride(0);
   const float fscale = static_cast<float>(scale);
   const float fcap = static_cast<float>(soft_cap);
+  // the heads of a KV group go in chunks of at most 3 (as even as possible): 3 heads' accumulators fill
+  // the 16 vector registers, and each chunk reads the group's K and V rows once
+  const int64_t num_chunks = (group + 2) / 3;
 
   at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(head_size), acc(head_size), scores;
+    std::vector<float> q(3 * head_size), acc(3 * head_size), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / num_kv_heads;
       const int64_t kv_head = item % num_kv_heads;
       const int64_t seq_len = lens_ptr[row];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-      const int64_t n = seq_len - first;
-      scores.resize(n);
+      scores.resize(3 * (seq_len - first));
       const int32_t* table = table_ptr + row * table_row;
       const scalar_t* keys = k_ptr + kv_head * kc_head;
       const scalar_t* values = v_ptr + kv_head * vc_head;
-      // one query head at a time: its rows of K and V stay in L2 for the next head of the group
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = kv_head * group + g;
-        const scalar_t* src = q_ptr + row * q_tok + head * q_head;
-        for (int64_t d = 0; d < head_size; ++d) q[d] = as_float(src[d]);
-        score_rows(scores.data(), q.data(), keys, table, block_size, kc_block, kc_tok, first, seq_len, head_size,
-                   fscale, fcap);
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) peak = std::max(peak, scores[i]);
-        float total = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          scores[i] = std::exp(scores[i] - peak);
-          total += scores[i];
+      int64_t head = kv_head * group;
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t heads = group / num_chunks + (c < group % num_chunks ? 1 : 0);
+        for (int64_t g = 0; g < heads; ++g) {
+          const scalar_t* src = q_ptr + row * q_tok + (head + g) * q_head;
+          for (int64_t d = 0; d < head_size; ++d) q[g * head_size + d] = as_float(src[d]);
         }
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < n; ++i) scores[i] *= inv;
-        weigh_rows(acc.data(), scores.data(), values, table, block_size, vc_block, vc_tok, first, seq_len, head_size);
-        scalar_t* dst = out_ptr + row * o_tok + head * o_head;
-        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
+        auto attend = [&](auto heads_constant) {
+          constexpr int G = decltype(heads_constant)::value;
+          attend_heads<G>(acc.data(), scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok,
+                          vc_block, vc_tok, first, seq_len, head_size, fscale, fcap);
+        };
+        if (heads == 3) attend(std::integral_constant<int, 3>{});
+        else if (heads == 2) attend(std::integral_constant<int, 2>{});
+        else attend(std::integral_constant<int, 1>{});
+        for (int64_t g = 0; g < heads; ++g) {
+          scalar_t* dst = out_ptr + row * o_tok + (head + g) * o_head;
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_size + d]);
+        }
+        head += heads;
       }
     }
   });
