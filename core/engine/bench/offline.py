@@ -80,6 +80,12 @@ def run_peer_transformers(model_info, requests: list[BenchRequest], temperature:
             "peak_rss_mib": peak_rss_mib()}
 
 
+def transformers_peer(model_info, requests: list[BenchRequest], temperature: float, dtype) -> Callable[[], dict]:
+    """A runner for transformers' generate on the workload, each run in its own spawned process (so its
+    peak resident memory is its own, like the engine's runs)."""
+    return lambda: _in_fresh_process(run_peer_transformers, model_info, requests, temperature, dtype)
+
+
 def _in_fresh_process(fn, *args):
     """Run one measurement in a spawned process: no allocator or thread state carries over between runs,
     and the peak resident memory reported is that run's own."""
