@@ -6,10 +6,13 @@
 Idle engine, prefix caching off, one warm-up, median of 5. Prints one JSON line.
 """
 import json
+import os
 import random
 import statistics
 import sys
 import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB, as ../shared/bench/peer_vllm_cpu.py sets it
 
 
 def main():

@@ -23,8 +23,14 @@ class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
         logger.info("engine config:\n%s", vllm_config.summary())
-        self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
-        self.engine_core = AsyncMPClient(vllm_config)
+        # the core process loads the model while this process reads the tokenizer: start-up overlaps
+        self.engine_core = AsyncMPClient(vllm_config, wait_ready=False)
+        try:
+            self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
+            self.engine_core.wait_ready()
+        except BaseException:
+            self.engine_core.abort_start()
+            raise
         self.queues: dict[str, asyncio.Queue] = {}
         self.output_handler: Optional[asyncio.Task] = None
         self.latest_stats: Optional[SchedulerStats] = None

@@ -112,8 +112,8 @@ class MPClient:
         self.dead_error = self.dead_error or reason
         return EngineDeadError(self.dead_error)
 
-    def _stop_process(self) -> None:
-        if self.proc.is_alive():
+    def _stop_process(self, graceful: bool = True) -> None:
+        if self.proc.is_alive() and graceful:
             try:
                 self.input_socket.send_multipart(encode_request(EngineCoreRequestType.SHUTDOWN, None), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -231,12 +231,16 @@ class SyncMPClient(MPClient, EngineCoreClient):
 class AsyncMPClient(MPClient):
     """asyncio client for AsyncLLM: ``get_output_async`` awaits the next batch of outputs."""
 
-    def __init__(self, vllm_config: VllmConfig):
+    def __init__(self, vllm_config: VllmConfig, wait_ready: bool = True):
+        """``wait_ready=False`` returns once the core process is started (it loads the model meanwhile);
+        call ``wait_ready()`` before using the client."""
         super().__init__(vllm_config, zmq.asyncio.Context())
         self.pending_calls: dict[int, asyncio.Future] = {}
-        self._wait_ready()
+        if wait_ready:
+            self.wait_ready()
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
+        """Block until the core reports ready (or raise EngineDeadError if it failed to start)."""
         # start-up happens before the event loop serves anyone: a blocking wait through a sync socket view
         sync_socket = zmq.Socket.shadow(self.output_socket.underlying)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -300,6 +304,12 @@ class AsyncMPClient(MPClient):
         self._stop_process()
         self.dead_error = self.dead_error or "engine shut down"
         self.ctx.destroy(linger=0)
+
+    def abort_start(self) -> None:
+        """Stop a core that is still starting, from any thread (no event loop needed: the asyncio
+        sockets are left to the garbage collector)."""
+        self._stop_process(graceful=False)
+        self.dead_error = self.dead_error or "engine start-up aborted"
 
 
 def make_client(vllm_config: VllmConfig, model_info: Optional[ModelInfo] = None) -> EngineCoreClient:
