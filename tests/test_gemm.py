@@ -56,10 +56,9 @@ def test_packed_lm_head_matches_the_plain_product():
 
 
 def test_packed_linear_layers_match_the_plain_products(tiny_llama):
-    """Every linear layer of a float32 model on the CPU runs through oneDNN's packed weights, and each
-    gives the plain product (bias included; the row-parallel bias after the reduction)."""
+    """The loader packs every linear layer of a float32 model on the CPU, and each packed layer gives
+    the plain product."""
     from engine.config import ModelConfig
-    from engine.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from engine.model.loader import load_model
     from engine.model.model_info import resolve_model
 
@@ -69,14 +68,32 @@ def test_packed_linear_layers_match_the_plain_products(tiny_llama):
         pytest.skip("no oneDNN in this torch build")
     model = load_model(resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"),
                        show_progress=False)
-    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
-    assert linears and all(m.packed is not None for m in linears)
+    linears = gemm._linear_layers(model)
+    assert linears and all(m.packed is not None for m in linears) and model.logits_gemm is not None
     gen = torch.Generator().manual_seed(2)
     for module in linears:
         x = torch.randn(9, module.weight.shape[1], generator=gen)
-        if module.bias is not None:
-            module.bias.data.normal_(generator=gen)
-            module.packed = gemm.PackedLinear(module.weight, module.bias)
-        plain = torch.nn.functional.linear(x, module.weight, module.bias)
+        plain = torch.nn.functional.linear(x, module.weight)
         torch.testing.assert_close(module(x), plain, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(module(x[:0]), plain[:0])  # an empty batch keeps its shape
+
+
+def test_packed_layers_with_bias_add_it_once():
+    """Column / QKV layers fold their bias into the packed product; a row-parallel layer adds its bias
+    after the all-reduce, so its packed product must leave it out (else it would be added twice)."""
+    from engine.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    if not torch.backends.mkldnn.is_available():
+        import pytest
+
+        pytest.skip("no oneDNN in this torch build")
+    gen = torch.Generator().manual_seed(3)
+    layers = torch.nn.ModuleList([MergedColumnParallelLinear(32, [24, 24], bias=True),
+                                  QKVParallelLinear(32, 8, 4, 2, bias=True), RowParallelLinear(48, 32, bias=True)])
+    for param in layers.parameters():
+        param.data.normal_(generator=gen)
+    assert gemm.pack_gemm_weights(layers, torch.float32, torch.device("cpu"), widened=False) == 3
+    for module in layers:
+        x = torch.randn(5, module.weight.shape[1], generator=gen)
+        expected = torch.nn.functional.linear(x, module.weight, module.bias)
+        torch.testing.assert_close(module(x), expected, atol=1e-4, rtol=1e-5)

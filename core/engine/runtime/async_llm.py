@@ -24,7 +24,7 @@ class AsyncLLM:
         self.vllm_config = vllm_config
         logger.info("engine config:\n%s", vllm_config.summary())
         # the core process loads the model while this process reads the tokenizer: start-up overlaps
-        self.engine_core = AsyncMPClient(vllm_config, wait_ready=False)
+        self.engine_core = AsyncMPClient(vllm_config)
         try:
             self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
             self.engine_core.wait_ready()

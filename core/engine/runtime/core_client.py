@@ -231,13 +231,11 @@ class SyncMPClient(MPClient, EngineCoreClient):
 class AsyncMPClient(MPClient):
     """asyncio client for AsyncLLM: ``get_output_async`` awaits the next batch of outputs."""
 
-    def __init__(self, vllm_config: VllmConfig, wait_ready: bool = True):
-        """``wait_ready=False`` returns once the core process is started (it loads the model meanwhile);
-        call ``wait_ready()`` before using the client."""
+    def __init__(self, vllm_config: VllmConfig):
+        """Returns once the core process is started (it loads the model meanwhile): call ``wait_ready()``
+        before using the client, or ``abort_start()`` to give up."""
         super().__init__(vllm_config, zmq.asyncio.Context())
         self.pending_calls: dict[int, asyncio.Future] = {}
-        if wait_ready:
-            self.wait_ready()
 
     def wait_ready(self) -> None:
         """Block until the core reports ready (or raise EngineDeadError if it failed to start)."""

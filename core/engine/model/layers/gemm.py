@@ -39,15 +39,18 @@ def cpu_has_half_gemm(dtype: torch.dtype) -> bool:
     return True
 
 
-def widen_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """On a CPU without native ``dtype`` GEMMs, keep every linear weight in float32; True if it did."""
+def _linear_layers(model: nn.Module) -> list[nn.Module]:
     from engine.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
+
+
+def widen_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """On a CPU without native ``dtype`` GEMMs, keep every linear weight in float32; True if it did."""
     if device.type != "cpu" or dtype not in _HALF or cpu_has_half_gemm(dtype):
         return False
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)):
-            module.weight.data = module.weight.data.float()
+    for module in _linear_layers(model):
+        module.weight.data = module.weight.data.float()
     name = str(dtype).replace("torch.", "")
     logger.info("this CPU (%s) has no native %s GEMM: linear weights are kept in float32 and products round "
                 "to %s (a %s GEMM with float32 accumulation)", torch.backends.cpu.get_cpu_capability(), name, name, name)
@@ -75,33 +78,25 @@ def pack_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.device
     """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) a packed
     float32 oneDNN product on CPUs running float32 GEMMs; returns how many products were packed.
 
-    The plain weights stay (checkpoint reloads and inspection read them); a CPU with native 16-bit
-    GEMMs, or a torch without oneDNN, keeps the plain products.
+    The plain weights stay (inspection and the parameter count read them; new weights need packing
+    again). A CPU with native 16-bit GEMMs, or a torch without oneDNN, keeps the plain products.
     """
-    from engine.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from engine.model.layers.linear import RowParallelLinear
 
     if device.type != "cpu" or not (dtype == torch.float32 or widened) or not torch.backends.mkldnn.is_available():
         return 0
-    count = 0
+    linears = _linear_layers(model)
+    head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
     try:
-        for module in model.modules():
-            if isinstance(module, (ColumnParallelLinear, QKVParallelLinear)):
-                module.packed = PackedLinear(module.weight, module.bias)
-            elif isinstance(module, RowParallelLinear):
-                module.packed = PackedLinear(module.weight)  # its bias is added after the all-reduce
-            else:
-                continue
-            count += 1
-        head = getattr(model, "lm_head", None)
-        if head is not None and hasattr(model, "logits_gemm"):
+        for module in linears:  # a row-parallel bias is added after the all-reduce, not in the product
+            module.packed = PackedLinear(module.weight, None if isinstance(module, RowParallelLinear) else module.bias)
+        if head is not None:
             model.logits_gemm = PackedLinear(head.weight)
-            count += 1
     except RuntimeError as exc:  # a oneDNN build without this primitive: every product stays plain
         logger.info("linear layers stay on the plain GEMM: %s", exc)
-        for module in model.modules():
-            if hasattr(module, "packed"):
-                module.packed = None
-        if hasattr(model, "logits_gemm"):
+        for module in linears:
+            module.packed = None
+        if head is not None:
             model.logits_gemm = None
         return 0
-    return count
+    return len(linears) + (head is not None)
