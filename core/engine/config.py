@@ -120,6 +120,8 @@ class DeviceConfig(_Section):
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when present, else cpu")
     num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
+    layer_kernels: str = Field("auto", description="LayerKernels plugin (fused RMSNorm / SiLU-mul / RoPE); "
+                               "auto = highest priority available, native = torch ops")
 
 
 class ServerConfig(_Section):
@@ -146,6 +148,7 @@ FLAT_ALIASES = {
     "executor": "parallel.executor",
     "distributed_executor_backend": "parallel.executor",
     "sampler": "sampler.name",
+    "layer_kernels": "device.layer_kernels",
 }
 
 _yaml_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("engine_yaml", default=None)

@@ -1,7 +1,7 @@
 """The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
 
 A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
-contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.1"  # 1.1 added register_models``; a different major version is
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.2"``; a different major version is
 refused) and implements any of the hooks below with ``@engine.hookimpl``. Each hook returns a list of
 implementation classes; every class carries a unique ``name``, a ``priority`` used by ``auto``, and a
 classmethod ``unavailable_reasons(ctx)`` that says why it cannot run here (empty when it can).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.1"  # 1.1 added register_models
+CONTRACT_VERSION = "1.2"  # 1.1 added register_models, 1.2 engine_layer_kernels
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -53,6 +53,16 @@ def engine_logits_processors() -> list[type]:
     """Return LogitsProcessor subclasses (``engine.interfaces.logits_processor``).
 
     All available ones are active; each acts only on the requests whose SamplingParams ask for it.
+    """
+
+
+@hookspec
+def engine_layer_kernels() -> list[type]:
+    """Return LayerKernels subclasses (``engine.interfaces.layer_kernels``): fused RMSNorm,
+    SiLU-and-multiply and RoPE for the model layers.
+
+    Chosen by ``device.layer_kernels``; ``auto`` takes the available one with the highest priority
+    (the built-in ``native`` torch ops run everywhere).
     """
 
 

@@ -27,6 +27,7 @@ BUILTIN_MODULES = (
     "engine.kv_cache.coordinators",
     "engine.sample.default_sampler",
     "engine.sample.builtin_logits_processors",
+    "engine.model.layers.native_kernels",
     "engine.model.registry",
 )
 
@@ -46,6 +47,7 @@ KINDS = {
     "kv_cache_coordinator": PluginKind("kv_cache_coordinator", "engine_kv_cache_coordinators",
                                        "cache.kv_cache_coordinator"),
     "sampler": PluginKind("sampler", "engine_samplers", "sampler.name"),
+    "layer_kernels": PluginKind("layer_kernels", "engine_layer_kernels", "device.layer_kernels"),
     "logits_processor": PluginKind("logits_processor", "engine_logits_processors", None),
 }
 

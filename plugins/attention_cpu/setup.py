@@ -1,12 +1,18 @@
-"""Builds the C++ kernel against the installed torch (install with --no-build-isolation)."""
+"""Builds the C++ kernels against the installed torch (install with --no-build-isolation)."""
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+# -march=native: built on the machine that runs it (pip install builds it there); -fopenmp: at::parallel_for
+# is an OpenMP pragma in a header, compiled serial without it
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
 setup(
-    ext_modules=[CppExtension(
-        "engine_attention_cpu._C", ["engine_attention_cpu/csrc/paged_attention.cpp"],
-        # -march=native: built on the machine that runs it (pip install builds it there); -fopenmp: at::parallel_for
-        # is an OpenMP pragma in a header, compiled serial without it
-        extra_compile_args=["-O3", "-march=native", "-fopenmp"], extra_link_args=["-fopenmp"])],
+    ext_modules=[
+        CppExtension("engine_attention_cpu._C", ["engine_attention_cpu/csrc/paged_attention.cpp"],
+                     extra_compile_args=FLAGS, extra_link_args=["-fopenmp"]),
+        # no fused multiply-add: the layer kernels round where the torch ops they replace round
+        CppExtension("engine_attention_cpu._layers", ["engine_attention_cpu/csrc/layer_kernels.cpp"],
+                     extra_compile_args=FLAGS + ["-ffp-contract=off"], extra_link_args=["-fopenmp"]),
+    ],
     cmdclass={"build_ext": BuildExtension},
 )

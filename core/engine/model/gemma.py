@@ -95,6 +95,13 @@ class GemmaModel(LlamaModel):
         hidden_states = self.embed_tokens(input_ids)
         return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # the sandwich norms sit between each sublayer and its residual add: no add to fuse into a norm
+        hidden_states = self.embed(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: attention and final-logit soft-capping, every other layer sliding-window."""

@@ -87,9 +87,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream: returns (this layer's MLP output, the residual before it);
+        their sum is the layer's output, added by the next norm (one fused add + RMSNorm)."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,10 +115,11 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed(input_ids)
+        hidden_states, residual = self.embed(input_ids), None
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

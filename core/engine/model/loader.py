@@ -7,12 +7,15 @@ import json
 import logging
 import os
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from engine.config import ConfigError
+from engine.interfaces.layer_kernels import LayerKernels
+from engine.model.layers.kernels import use_layer_kernels
+from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -74,11 +77,13 @@ def get_model_class(architecture: str) -> type:
     return models.resolve(architecture)
 
 
-def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True) -> torch.nn.Module:
-    """Instantiate the model for this rank and load its weights, with a progress bar."""
+def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True,
+               layer_kernels: Optional[LayerKernels] = None) -> torch.nn.Module:
+    """Instantiate the model for this rank, its layers calling ``layer_kernels`` (native torch ops by
+    default), and load its weights, with a progress bar."""
     start = time.perf_counter()
     model_cls = get_model_class(info.architecture)
-    with _default_dtype(info.dtype), torch.device(device):
+    with _default_dtype(info.dtype), torch.device(device), use_layer_kernels(layer_kernels or NativeLayerKernels()):
         model = model_cls(info.hf_config)
     if info.format == "gguf":
         from engine.model.gguf_file import iterate_gguf_weights

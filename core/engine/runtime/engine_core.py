@@ -24,7 +24,7 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     plugins = get_plugin_manager()
     ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=len(set(model_info.layer_sliding_windows)))
     requested = {"attention": vllm_config.attention.backend, "executor": vllm_config.parallel.executor,
-                 "sampler": vllm_config.sampler.name,
+                 "sampler": vllm_config.sampler.name, "layer_kernels": vllm_config.device.layer_kernels,
                  "kv_cache_coordinator": vllm_config.cache.kv_cache_coordinator}
     chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
     for kind, impl in chosen.items():

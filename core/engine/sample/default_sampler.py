@@ -15,9 +15,9 @@ class DefaultSampler(Sampler):
     priority = 10
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
-            return SamplerOutput(greedy)
+            return SamplerOutput(logits.argmax(dim=-1))
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before the logits are rescaled
         temperature = torch.where(metadata.temperature < 1e-5, 1.0, metadata.temperature)
         logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), metadata.top_k, metadata.top_p)
         sampled = random_sample(logits.softmax(dim=-1, dtype=torch.float32), metadata.generators)

@@ -14,6 +14,7 @@ from engine.config import VllmConfig
 from engine.distributed.parallel_state import get_tp_group
 from engine.forward_context import set_forward_context
 from engine.interfaces.attention import CommonAttentionMetadata
+from engine.interfaces.layer_kernels import LayerKernels
 from engine.interfaces.logits_processor import LogitsRequestView
 from engine.interfaces.sampler import SamplingMetadata
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
@@ -58,13 +59,15 @@ class ModelRunner:
     """One rank's model, KV caches, attention metadata builders, logits processors and sampler."""
 
     def __init__(self, vllm_config: VllmConfig, model_info: ModelInfo, device: torch.device,
-                 attention_backend: type, sampler, logits_processors: list):
+                 attention_backend: type, sampler, logits_processors: list,
+                 layer_kernels: Optional[LayerKernels] = None):
         self.vllm_config = vllm_config
         self.model_info = model_info
         self.device = device
         self.attention_backend = attention_backend
         self.sampler = sampler
         self.logits_processors = logits_processors
+        self.layer_kernels = layer_kernels
         self.block_size = vllm_config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.model = None
@@ -73,7 +76,7 @@ class ModelRunner:
 
     # ---- set-up --------------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = load_model(self.model_info, self.device)
+        self.model = load_model(self.model_info, self.device, layer_kernels=self.layer_kernels)
         options = self.vllm_config.attention.options
         for module in self.model.modules():
             if isinstance(module, Attention):

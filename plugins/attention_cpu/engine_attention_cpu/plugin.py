@@ -19,7 +19,7 @@ from engine.attention.torch_backend import (PrefillChunk, TorchAttentionImpl, To
                                             split_decodes)
 from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
 
-ENGINE_CONTRACT_VERSION = "1.1"
+ENGINE_CONTRACT_VERSION = "1.2"
 
 
 @dataclass
@@ -120,3 +120,10 @@ class CpuAttentionBackend(AttentionBackend):
 @hookimpl
 def engine_attention_backends():
     return [CpuAttentionBackend]
+
+
+@hookimpl
+def engine_layer_kernels():
+    from engine_attention_cpu.layer_kernels import CpuLayerKernels
+
+    return [CpuLayerKernels]

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.model.layers.kernels import current_layer_kernels
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.kernels = current_layer_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.kernels.silu_and_mul(x)

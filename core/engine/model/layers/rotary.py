@@ -7,6 +7,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from engine.model.layers.kernels import current_layer_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
@@ -38,22 +40,12 @@ def rope_settings(hf_config) -> tuple[float, Optional[dict[str, Any]]]:
 
 
 class _RopeTable:
-    """cos / sin of every position for one RoPE setting, shared by all layers that use it, and the rows
-    gathered for the current step's positions (gathered once per forward, not once per layer)."""
+    """cos / sin of every position for one RoPE setting, shared by all layers that use it."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         # rotate_half convention: x * [cos, cos] + [-x2, x1] * [sin, sin] = x * cos_full + swap(x) * sin_full
         self.cos = torch.cat((cos, cos), dim=-1)
         self.sin = torch.cat((-sin, sin), dim=-1)
-        self._last: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (positions, cos, sin)
-
-    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        last = self._last  # one read and one write: engines in other threads never see half an update
-        if last is None or last[0] is not positions:
-            last = (positions, self.cos.index_select(0, positions).unsqueeze(1),
-                    self.sin.index_select(0, positions).unsqueeze(1))
-            self._last = last
-        return last[1], last[2]
 
 
 _TABLES: dict[tuple, _RopeTable] = {}
@@ -87,20 +79,7 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size
         self.table = _rope_table(self.rotary_dim, max_position, base, scaling)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        x = x.view(tokens, -1, self.head_size)
-        rot = x[..., : self.rotary_dim]
-        half = self.rotary_dim // 2
-        swapped = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + swapped * sin  # two products and a sum, rounded as the reference rounds them
-        if out.dtype != x.dtype:
-            out = out.to(x.dtype)
-        if self.rotary_dim < self.head_size:
-            out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
-        return out.reshape(tokens, -1)
+        self.kernels = current_layer_kernels()
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        cos, sin = self.table.rows(positions)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return self.kernels.rotary_embedding(positions, query, key, self.table.cos, self.table.sin, self.head_size)

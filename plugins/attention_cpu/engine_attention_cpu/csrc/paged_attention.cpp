@@ -1,50 +1,29 @@
 // Paged decode attention for the CPU: one query token per request, read straight from the paged
 // KV cache (no gathered copy), GQA-aware (each K/V row is loaded once for all query heads that share
 // it), causal, with an optional sliding window and logit soft-capping. Softmax and accumulation in
-// float32 whatever the cache dtype. Work is split over (request, KV head) with at::parallel_for; the
-// next block's rows are prefetched, and the softmax exponentials are vectorised.
+// float32 whatever the cache dtype. Work is split over (request, KV head) items, longest first, each
+// taken by a free thread; the next block's rows are prefetched, and the softmax exponentials are vectorised.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define ENGINE_AVX2 1
-#endif
+#include "vec_avx2.h"
 
 namespace {
 
-template <typename scalar_t>
-inline float as_float(scalar_t x) {
-  return static_cast<float>(x);
-}
-
-#ifdef ENGINE_AVX2
-// Eight consecutive elements as float32 lanes.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bfloat16 is the top half of a float32
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
-#endif
+using namespace engine_cpu;
 
 // Visits the cache rows of positions [first, last) of one request and one KV head, block by block.
-// On entering a block it prefetches the bytes [prefetch_from, prefetch_to) of every row of the next
-// one: blocks are scattered, so the hardware prefetcher cannot guess the next page.
+// While visiting row o of a block it prefetches the bytes [prefetch_from, prefetch_to) of row o of the
+// next one: blocks are scattered, so the hardware prefetcher cannot guess the next page, and spreading
+// the prefetches over the block keeps the cache's miss queue from filling at each block start.
 template <typename scalar_t, typename Fn>
 inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
                          int64_t stride_tok, int64_t first, int64_t last, int64_t prefetch_from,
@@ -53,39 +32,20 @@ inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t bl
   while (t < last) {
     const int64_t index = t / block_size;
     const int64_t end = std::min(last, (index + 1) * block_size);
-#ifdef ENGINE_AVX2
-    if (end < last) {
-      const char* next = reinterpret_cast<const char*>(cache + table[index + 1] * stride_block);
-      for (int64_t r = 0; r < std::min(block_size, last - end); ++r)
-        for (int64_t b = prefetch_from; b < prefetch_to; b += 64)
-          _mm_prefetch(next + r * stride_tok * int64_t(sizeof(scalar_t)) + b, _MM_HINT_T0);
-    }
-#endif
+    const char* next = end < last ? reinterpret_cast<const char*>(cache + table[index + 1] * stride_block) : nullptr;
+    const int64_t next_rows = next ? std::min(block_size, last - end) : 0;
     const scalar_t* row = cache + table[index] * stride_block + (t % block_size) * stride_tok;
-    for (; t < end; ++t, row += stride_tok) fn(t, row);
+    for (; t < end; ++t, row += stride_tok) {
+#ifdef ENGINE_AVX2
+      const int64_t offset = t % block_size;
+      if (offset < next_rows)
+        for (int64_t b = prefetch_from; b < prefetch_to; b += 64)
+          _mm_prefetch(next + offset * stride_tok * int64_t(sizeof(scalar_t)) + b, _MM_HINT_T0);
+#endif
+      fn(t, row);
+    }
   }
 }
-
-#ifdef ENGINE_AVX2
-// e^x for x <= 0 (softmax arguments): x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial
-// (Cephes' expf coefficients), 2^n from the exponent bits. About 1 ulp from std::exp.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: the smallest normal power stays exact
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
-}
-#endif
 
 // In place: p = softmax(p[0:n]).
 inline void softmax(float* p, int64_t n) {
@@ -240,9 +200,19 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   // the 16 vector registers, and each chunk reads the group's K and V rows once
   const int64_t num_chunks = (group + 2) / 3;
 
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // (request, KV head) items, longest first, each taken by whichever thread is free: request lengths
+  // vary tenfold, and an even split of the item range would leave one thread waiting for the other
+  const int64_t num_items = num_rows * num_kv_heads;
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return lens_ptr[a / num_kv_heads] > lens_ptr[b / num_kv_heads];
+  });
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> q(3 * head_size), acc(3 * head_size), scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t taken = next_item++; taken < num_items; taken = next_item++) {
+      const int64_t item = order[taken];
       const int64_t row = item / num_kv_heads;
       const int64_t kv_head = item % num_kv_heads;
       const int64_t seq_len = lens_ptr[row];

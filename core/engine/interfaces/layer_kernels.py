@@ -1,0 +1,42 @@
+"""LayerKernels interface: the element-wise kernels of the model layers (norms, activations, RoPE).
+
+The layers call these instead of torch ops so that a device plugin can fuse them: one pass over
+each row instead of one per torch op. ``native`` (built in) is the torch code every other
+implementation is measured against; an implementation may return new tensors or write in place
+where the method says it may.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+
+from engine.interfaces.base import Pluggable
+
+
+class LayerKernels(Pluggable):
+    """Kernels for RMSNorm, SiLU-and-multiply and rotary embeddings; chosen by ``device.layer_kernels``."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * x / rms(x)`` over the last dimension, in float32, rounded to x's dtype before
+        the weight product (Hugging Face's LlamaRMSNorm)."""
+
+    @abstractmethod
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)``; x and residual may be overwritten."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` where ``x = [gate | up]`` on the last dimension."""
+
+    @abstractmethod
+    def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPT-NeoX rotary embedding of query ``[T, H * D]`` and key ``[T, Hkv * D]``.
+
+        ``cos`` and ``sin`` are ``[max_position, rotary_dim]`` float32 tables, ``sin`` carrying
+        rotate_half's sign (``-sin`` on its first half); values past ``rotary_dim`` pass through.
+        query and key may be rotated in place (they may be views of one fused QKV output).
+        """

@@ -1,0 +1,65 @@
+"""The built-in ``native`` LayerKernels: torch ops, the reference every fused implementation matches."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from engine import hookimpl
+from engine.interfaces.layer_kernels import LayerKernels
+
+
+class NativeLayerKernels(LayerKernels):
+    """Torch ops on any device; ``auto`` picks it when no device plugin offers fused kernels."""
+
+    name = "native"
+    priority = 0
+
+    def __init__(self):
+        # the last step's (positions, cos table, cos rows, sin rows): gathered once per forward, not per layer
+        self._rope_rows: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one call, the same three steps as below
+            return F.rms_norm(x, weight.shape, weight, eps)
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(dtype)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_embedding(self, positions, query, key, cos, sin, head_size):
+        last = self._rope_rows  # one read and one write: engines in other threads never see half an update
+        if last is None or last[0] is not positions or last[1] is not cos:
+            last = (positions, cos, cos.index_select(0, positions).unsqueeze(1),
+                    sin.index_select(0, positions).unsqueeze(1))
+            self._rope_rows = last
+        cos, sin = last[2], last[3]
+        return _rotate(query, cos, sin, head_size), _rotate(key, cos, sin, head_size)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> torch.Tensor:
+    tokens, rotary_dim = x.shape[0], cos.shape[-1]
+    x = x.view(tokens, -1, head_size)
+    rot = x[..., :rotary_dim]
+    half = rotary_dim // 2
+    swapped = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + swapped * sin  # two products and a sum, rounded as the reference rounds them
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    if rotary_dim < head_size:
+        out = torch.cat((out, x[..., rotary_dim:]), dim=-1)
+    return out.reshape(tokens, -1)
+
+
+@hookimpl
+def engine_layer_kernels():
+    return [NativeLayerKernels]

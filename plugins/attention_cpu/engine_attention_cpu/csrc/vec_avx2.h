@@ -1,0 +1,93 @@
+// AVX2 helpers shared by the CPU kernels: float32 lanes from float32 / bfloat16 / float16 memory,
+// a horizontal sum and a vectorised exponential. ENGINE_AVX2 is defined when the compiler targets
+// AVX2 + FMA + F16C (the kernels are built with -march=native); scalar loops cover other CPUs.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define ENGINE_AVX2 1
+#endif
+
+namespace engine_cpu {
+
+template <typename scalar_t>
+inline float as_float(scalar_t x) {
+  return static_cast<float>(x);
+}
+
+// v rounded to the nearest scalar_t and back to float (the identity for float).
+template <typename scalar_t>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+#ifdef ENGINE_AVX2
+// Eight consecutive elements as float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bfloat16 is the top half of a float32
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// Eight float32 lanes rounded to the nearest value of scalar_t (ties to even) and written there.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline __m256i bfloat16_bits(__m256 v) {  // the rounded bfloat16 in the top half of each lane; NaN stays NaN
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(nan));
+  return _mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i low = _mm256_srli_epi32(bfloat16_bits(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+// The float32 lanes rounded through scalar_t and back (the identity for float).
+template <typename scalar_t>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return _mm256_castsi256_ps(bfloat16_bits(v));
+  else if constexpr (std::is_same_v<scalar_t, c10::Half>)
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  else return v;
+}
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+// e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes' expf coefficients),
+// 2^n from the exponent bits. About 1 ulp from std::exp on [-87, 88]; x is clamped to that range.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: the smallest normal power stays exact
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));   // e^88 ~ 1.7e38: 2^n stays a finite float
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+#endif
+
+}  // namespace engine_cpu

@@ -1,0 +1,77 @@
+"""The ``cpu`` LayerKernels: RMSNorm (with its residual add), SiLU-and-multiply and RoPE, each one
+pass over its rows in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops.
+
+Inputs the kernels do not take (another device, float64, odd RoPE sizes) go to the native torch ops.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from engine.interfaces.base import SelectionContext
+from engine.model.layers.native_kernels import NativeLayerKernels
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_rows(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() >= 1 and x.shape[-1] > 0
+
+
+class CpuLayerKernels(NativeLayerKernels):
+    """Fused C++ kernels for CPUs; ``auto`` prefers them over ``native`` whenever they are built."""
+
+    name = "cpu"
+    priority = 10
+
+    def __init__(self):
+        super().__init__()
+        from engine_attention_cpu import _layers
+
+        self._ops = _layers
+
+    @classmethod
+    def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
+        reasons = []
+        if ctx.device != "cpu":
+            reasons.append(f"runs on the CPU only (device is {ctx.device})")
+        if importlib.util.find_spec("engine_attention_cpu._layers") is None:
+            reasons.append("its C++ kernels are not built (pip install --no-build-isolation plugins/attention_cpu)")
+        return reasons
+
+    def rms_norm(self, x, weight, eps):
+        if not _cpu_rows(x):
+            return super().rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self._ops.rms_norm(out, rows, weight.float().contiguous(), float(eps))
+        return out.view(x.shape)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        if not (_cpu_rows(x) and x.shape == residual.shape and x.dtype == residual.dtype):
+            return super().fused_add_rms_norm(x, residual, weight, eps)
+        x, residual = x.contiguous(), residual.contiguous()
+        self._ops.fused_add_rms_norm(x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]),
+                                     weight.float().contiguous(), float(eps))
+        return x, residual
+
+    def silu_and_mul(self, x):
+        if not (_cpu_rows(x) and x.shape[-1] % 2 == 0):
+            return super().silu_and_mul(x)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=x.dtype)
+        self._ops.silu_and_mul(out, rows)
+        return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+    def rotary_embedding(self, positions, query, key, cos, sin, head_size):
+        fits = (_cpu_rows(query) and query.dtype == key.dtype and query.dim() == 2 and key.dim() == 2
+                and query.stride(-1) == 1 and key.stride(-1) == 1 and cos.device.type == "cpu")
+        if not fits:
+            return super().rotary_embedding(positions, query, key, cos, sin, head_size)
+        self._ops.rotary_embedding(positions.to(torch.int64).contiguous(), query, key, cos, sin, head_size)
+        return query, key
