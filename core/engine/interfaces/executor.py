@@ -11,7 +11,7 @@ class Executor(Pluggable):
     """Owns the workers of one engine; the engine core talks to the model only through it."""
 
     def __init__(self, vllm_config, plugin_choices: dict[str, str]):
-        """``plugin_choices`` are the names already selected (attention, sampler), for the workers."""
+        """``plugin_choices`` are the names already selected (attention, sampler, layer kernels...), for the workers."""
         self.vllm_config = vllm_config
         self.plugin_choices = plugin_choices
         self._init_executor()

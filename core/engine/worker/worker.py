@@ -48,7 +48,7 @@ class Worker:
         ctx = SelectionContext(self.vllm_config, info)
         attention = plugins.select("attention", self.plugin_choices["attention"], ctx)
         sampler = plugins.select("sampler", self.plugin_choices["sampler"], ctx)
-        kernels = plugins.select("layer_kernels", self.plugin_choices.get("layer_kernels", "auto"), ctx)
+        kernels = plugins.select("layer_kernels", self.plugin_choices["layer_kernels"], ctx)
         processors = [impl.cls(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
         self.model_runner = ModelRunner(self.vllm_config, info, self.device, attention.cls,
                                         sampler.cls(self.vllm_config), processors, kernels.cls())

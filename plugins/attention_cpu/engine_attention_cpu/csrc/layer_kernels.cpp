@@ -76,43 +76,39 @@ void check_weight(const torch::Tensor& weight, int64_t hidden) {
               "weight must be a contiguous float32 vector of the row size");
 }
 
-// out[r] = rms_norm(x[r]) * weight. x and out: [rows, hidden], rows contiguous; weight float32 [hidden].
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
+// out[r] = rms_norm(src[r]) * weight, after src[r] = round(src[r] + add[r]) when add is given.
+// All three: [rows, hidden] of one dtype with contiguous rows (out may be add); weight float32 [hidden].
+void normalize_rows(torch::Tensor out, torch::Tensor src, const torch::Tensor* add, torch::Tensor weight,
+                    double eps) {
+  check_rows(src, "x");
   check_rows(out, "out");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must match x");
-  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(out.sizes() == src.sizes() && out.scalar_type() == src.scalar_type(), "out must match x");
+  if (add != nullptr) {
+    check_rows(*add, "residual");
+    TORCH_CHECK(add->sizes() == src.sizes() && add->scalar_type() == src.scalar_type(), "residual must match x");
+  }
+  const int64_t rows = src.size(0), hidden = src.size(1);
   check_weight(weight, hidden);
-  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "rms_norm", [&] {
+  DISPATCH_ACTIVATION_TYPES(src.scalar_type(), "rms_norm", [&] {
     const float* w = weight.data_ptr<float>();
     at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
-        const float inv = inverse_rms(add_and_sum_squares(row, row, hidden, false), hidden, float(eps));
+        scalar_t* row = src.data_ptr<scalar_t>() + r * src.stride(0);
+        const scalar_t* addend = add ? add->data_ptr<scalar_t>() + r * add->stride(0) : row;
+        const float inv = inverse_rms(add_and_sum_squares(row, addend, hidden, add != nullptr), hidden, float(eps));
         scale_row(out.data_ptr<scalar_t>() + r * out.stride(0), row, w, inv, hidden);
       }
     });
   });
 }
 
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  normalize_rows(out, x, nullptr, weight, eps);
+}
+
 // In place: residual[r] = round(residual[r] + x[r]); x[r] = rms_norm(residual[r]) * weight.
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual must match x");
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  check_weight(weight, hidden);
-  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "fused_add_rms_norm", [&] {
-    const float* w = weight.data_ptr<float>();
-    at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* res = residual.data_ptr<scalar_t>() + r * residual.stride(0);
-        scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
-        const float inv = inverse_rms(add_and_sum_squares(res, row, hidden, true), hidden, float(eps));
-        scale_row(row, res, w, inv, hidden);
-      }
-    });
-  });
+  normalize_rows(x, residual, &x, weight, eps);
 }
 
 // out[r] = round(silu(gate)) * up, where x[r] = [gate | up]. x: [rows, 2d]; out: [rows, d].
