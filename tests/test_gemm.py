@@ -82,6 +82,7 @@ def test_packed_layers_with_bias_add_it_once():
     """Column / QKV layers fold their bias into the packed product; a row-parallel layer adds its bias
     after the all-reduce, so its packed product must leave it out (else it would be added twice)."""
     from engine.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from engine.model.layers.native_kernels import NativeLayerKernels
 
     if not torch.backends.mkldnn.is_available():
         import pytest
@@ -92,7 +93,7 @@ def test_packed_layers_with_bias_add_it_once():
                                   QKVParallelLinear(32, 8, 4, 2, bias=True), RowParallelLinear(48, 32, bias=True)])
     for param in layers.parameters():
         param.data.normal_(generator=gen)
-    assert gemm.pack_gemm_weights(layers, torch.float32, torch.device("cpu"), widened=False) == 3
+    assert gemm.pack_gemm_weights(layers, NativeLayerKernels()) == 3
     for module in layers:
         x = torch.randn(5, module.weight.shape[1], generator=gen)
         expected = torch.nn.functional.linear(x, module.weight, module.bias)

@@ -13,6 +13,8 @@ setup(
         # no fused multiply-add: the layer kernels round where the torch ops they replace round
         CppExtension("engine_attention_cpu._layers", ["engine_attention_cpu/csrc/layer_kernels.cpp"],
                      extra_compile_args=FLAGS + ["-ffp-contract=off"], extra_link_args=["-fopenmp"]),
+        CppExtension("engine_attention_cpu._gemm", ["engine_attention_cpu/csrc/gemm.cpp"],
+                     extra_compile_args=FLAGS, extra_link_args=["-fopenmp"]),
     ],
     cmdclass={"build_ext": BuildExtension},
 )

@@ -1,13 +1,14 @@
-"""LayerKernels interface: the element-wise kernels of the model layers (norms, activations, RoPE).
+"""LayerKernels interface: the kernels of the model layers (norms, activations, RoPE, linear products).
 
 The layers call these instead of torch ops so that a device plugin can fuse them: one pass over
-each row instead of one per torch op. ``native`` (built in) is the torch code every other
-implementation is measured against; an implementation may return new tensors or write in place
-where the method says it may.
+each row instead of one per torch op, or a matrix product on weights packed once at load.
+``native`` (built in) is the torch code every other implementation is measured against; an
+implementation may return new tensors or write in place where the method says it may.
 """
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Callable, Optional
 
 import torch
 
@@ -15,7 +16,16 @@ from engine.interfaces.base import Pluggable
 
 
 class LayerKernels(Pluggable):
-    """Kernels for RMSNorm, SiLU-and-multiply and rotary embeddings; chosen by ``device.layer_kernels``."""
+    """Kernels for RMSNorm, SiLU-and-multiply, rotary embeddings and the linear layers' products;
+    chosen by ``device.layer_kernels``."""
+
+    def pack_linear(self, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """The product ``x @ weight.T + bias`` prepared once, at load, for this device (a weight
+        reordered into the layout of a GEMM kernel), as a callable returning x's dtype; or None to
+        keep the plain ``F.linear``. The loader calls it for every linear layer and the LM head after
+        the weights are loaded; the layer keeps its plain weight beside the packed one."""
+        return None
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tp = get_tp_group()
-        self.logits_gemm = None  # set by the loader on CPUs: a packed float32 LM-head product
+        self.logits_gemm = None  # set by the loader: the LM-head product on a packed weight (LayerKernels.pack_linear)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -83,7 +83,8 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     default), and load its weights, with a progress bar."""
     start = time.perf_counter()
     model_cls = get_model_class(info.architecture)
-    with _default_dtype(info.dtype), torch.device(device), use_layer_kernels(layer_kernels or NativeLayerKernels()):
+    layer_kernels = layer_kernels or NativeLayerKernels()
+    with _default_dtype(info.dtype), torch.device(device), use_layer_kernels(layer_kernels):
         model = model_cls(info.hf_config)
     if info.format == "gguf":
         from engine.model.gguf_file import iterate_gguf_weights
@@ -102,7 +103,7 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     from engine.model.layers.gemm import pack_gemm_weights, widen_gemm_weights
 
     widened = widen_gemm_weights(model, info.dtype, device)
-    pack_gemm_weights(model, info.dtype, device, widened)
+    pack_gemm_weights(model, layer_kernels, widened)
     logger.info("Loaded %s (%s, %s) in %.1fs: %.1fM parameters on this rank", info.architecture, info.format,
                 str(info.dtype).replace("torch.", ""), time.perf_counter() - start,
                 sum(p.numel() for p in model.parameters()) / 1e6)

@@ -1,7 +1,9 @@
 """The ``cpu`` LayerKernels: RMSNorm (with its residual add), SiLU-and-multiply and RoPE, each one
-pass over its rows in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops.
+pass over its rows in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops, and the linear
+products on weights packed for an AVX2 GEMM (``gemm.py``, ``csrc/gemm.cpp``).
 
-Inputs the kernels do not take (another device, float64, odd RoPE sizes) go to the native torch ops.
+Inputs the kernels do not take (another device, float64, odd RoPE sizes, 16-bit weights on a CPU
+with native 16-bit GEMMs) go to the native torch ops.
 """
 from __future__ import annotations
 
@@ -28,17 +30,27 @@ class CpuLayerKernels(NativeLayerKernels):
     def __init__(self):
         super().__init__()
         from engine_attention_cpu import _layers
+        from engine_attention_cpu.gemm import cpu_gemm_available
 
         self._ops = _layers
+        self._gemm = cpu_gemm_available()
 
     @classmethod
     def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
         reasons = []
         if ctx.device != "cpu":
             reasons.append(f"runs on the CPU only (device is {ctx.device})")
-        if importlib.util.find_spec("engine_attention_cpu._layers") is None:
+        if any(importlib.util.find_spec(f"engine_attention_cpu.{ext}") is None for ext in ("_layers", "_gemm")):
             reasons.append("its C++ kernels are not built (pip install --no-build-isolation plugins/attention_cpu)")
         return reasons
+
+    def pack_linear(self, weight, bias=None):
+        """The AVX2 GEMM for float32 weights on the CPU; oneDNN's product where the CPU lacks AVX2."""
+        if not (self._gemm and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2):
+            return super().pack_linear(weight, bias)
+        from engine_attention_cpu.gemm import CpuPackedLinear
+
+        return CpuPackedLinear(weight, bias)
 
     def rms_norm(self, x, weight, eps):
         if not _cpu_rows(x):

@@ -8,11 +8,14 @@ activations, rounded back to bfloat16: the result of a bfloat16 GEMM with float3
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.interfaces.layer_kernels import LayerKernels
 
 logger = logging.getLogger(__name__)
 
@@ -20,9 +23,10 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           packed: Optional["PackedLinear"] = None) -> torch.Tensor:
+           packed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in the weight's dtype, returned in the activation's dtype; through
-    ``packed`` (the same weight in oneDNN's layout) when the loader made one."""
+    ``packed`` (the same product on a packed weight, from ``LayerKernels.pack_linear``) when the
+    loader made one."""
     if packed is not None:
         return packed(x)
     if weight.dtype == x.dtype:
@@ -74,29 +78,35 @@ class PackedLinear:
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def pack_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.device, widened: bool) -> int:
-    """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) a packed
-    float32 oneDNN product on CPUs running float32 GEMMs; returns how many products were packed.
+def onednn_packed_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[PackedLinear]:
+    """A :class:`PackedLinear` for a float32 weight on the CPU; None (the plain product) for other
+    weights, or where this torch's oneDNN lacks the packed primitive."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return PackedLinear(weight, bias)
+    except RuntimeError as exc:
+        logger.info("linear layers stay on the plain GEMM: %s", exc)
+        return None
+
+
+def pack_gemm_weights(model: nn.Module, kernels: "LayerKernels", widened: bool = False) -> int:
+    """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) the product
+    ``kernels.pack_linear`` prepares for its weight; returns how many products were packed.
 
     The plain weights stay (inspection and the parameter count read them; new weights need packing
-    again). A CPU with native 16-bit GEMMs, or a torch without oneDNN, keeps the plain products.
+    again). Weights a kernel set does not pack (16-bit weights on CPUs with native 16-bit GEMMs, GPU
+    weights) keep the plain products. ``widened``: the linear weights were widened to float32, so the
+    LM head (often the embedding table, which stays in the model dtype) is packed in float32 too.
     """
     from engine.model.layers.linear import RowParallelLinear
 
-    if device.type != "cpu" or not (dtype == torch.float32 or widened) or not torch.backends.mkldnn.is_available():
-        return 0
-    linears = _linear_layers(model)
+    packed = 0
+    for module in _linear_layers(model):  # a row-parallel bias is added after the all-reduce, not in the product
+        module.packed = kernels.pack_linear(module.weight, None if isinstance(module, RowParallelLinear) else module.bias)
+        packed += module.packed is not None
     head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
-    try:
-        for module in linears:  # a row-parallel bias is added after the all-reduce, not in the product
-            module.packed = PackedLinear(module.weight, None if isinstance(module, RowParallelLinear) else module.bias)
-        if head is not None:
-            model.logits_gemm = PackedLinear(head.weight)
-    except RuntimeError as exc:  # a oneDNN build without this primitive: every product stays plain
-        logger.info("linear layers stay on the plain GEMM: %s", exc)
-        for module in linears:
-            module.packed = None
-        if head is not None:
-            model.logits_gemm = None
-        return 0
-    return len(linears) + (head is not None)
+    if head is not None:
+        model.logits_gemm = kernels.pack_linear(head.weight.float() if widened else head.weight)
+        packed += model.logits_gemm is not None
+    return packed

@@ -31,7 +31,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = sum(self.output_sizes) // self.tp_size
         self.weight = _param((self.output_size_per_partition, input_size), self.weight_loader)
         self.bias = _param((self.output_size_per_partition,), self.weight_loader) if bias else None
-        self.packed = None  # set by the loader on CPUs: the same product through oneDNN's packed layout
+        self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
 
     def shard_bounds(self, shard_id) -> tuple[int, int, int]:
         """(offset in this rank's param, size, offset in the full checkpoint tensor) of a shard."""
@@ -93,7 +93,7 @@ class QKVParallelLinear(nn.Module):
         rows = (q_count + 2 * kv_count) * head_size
         self.weight = _param((rows, hidden_size), self.weight_loader)
         self.bias = _param((rows,), self.weight_loader) if bias else None
-        self.packed = None  # set by the loader on CPUs: the same product through oneDNN's packed layout
+        self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         offset, first_head, heads = self.shards[shard_id]
@@ -121,7 +121,7 @@ class RowParallelLinear(nn.Module):
         self.input_start, self.input_size_per_partition = input_partition
         self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader)
         self.bias = _param((output_size,), self._bias_loader) if bias else None
-        self.packed = None  # set by the loader on CPUs: the same product through oneDNN's packed layout
+        self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded.narrow(1, self.input_start, self.input_size_per_partition))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from engine import hookimpl
 from engine.interfaces.layer_kernels import LayerKernels
+from engine.model.layers.gemm import onednn_packed_linear
 
 
 class NativeLayerKernels(LayerKernels):
@@ -19,6 +20,10 @@ class NativeLayerKernels(LayerKernels):
     def __init__(self):
         # the last step's (positions, cos table, cos rows, sin rows): gathered once per forward, not per layer
         self._rope_rows: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    def pack_linear(self, weight, bias=None):
+        """oneDNN's packed float32 product on CPUs (:class:`~engine.model.layers.gemm.PackedLinear`)."""
+        return onednn_packed_linear(weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:  # one call, the same three steps as below

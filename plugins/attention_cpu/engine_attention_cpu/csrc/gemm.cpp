@@ -1,0 +1,205 @@
+// Float32 GEMM for the linear layers on AVX2 CPUs: out = x @ weight.T (+ bias).
+//
+// The weight is packed once, at load, into panels of 16 output columns ([N/16][K][16], the last panel
+// zero-padded). Each product packs x into panels of 6 rows ([K chunk][M/6][kc][6]) and runs a 6x16
+// register-tile kernel: 12 accumulators, two weight loads and six broadcasts per step of k. Both
+// threads share the packed x and each takes its own contiguous range of weight panels, so a core
+// streams only its half of the weights. Every output element is one fused multiply-add chain over k
+// in order (K in chunks of at most 576): a row's result does not depend on the other rows of the batch.
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "vec_avx2.h"
+
+namespace engine_cpu {
+namespace {
+
+constexpr int64_t kRows = 6;       // rows of the register tile
+constexpr int64_t kCols = 16;      // columns of the register tile (two AVX2 vectors); the panel width
+constexpr int64_t kMaxChunk = 576; // most k per pass: a 6-row x panel stays in L1, a weight panel in L2
+constexpr int64_t kRowBlock = 72;  // rows of x whose packed panels stay in L2 while the weight panels pass
+
+int64_t chunk_size(int64_t k) {
+  const int64_t chunks = (k + kMaxChunk - 1) / kMaxChunk;
+  return (k + chunks - 1) / chunks;
+}
+
+#ifdef ENGINE_AVX2
+// Column mask for the last panel's ragged width: lanes [0, cols) of 16.
+struct ColumnMask {
+  __m256i low, high;
+  explicit ColumnMask(int64_t cols) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    low = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lanes);
+    high = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lanes);
+  }
+};
+
+// c[r][0:16] = (first ? bias : c[r]) + sum_k a[k][r] * b[k][0:16] for r < ROWS; cols < 16 stores a masked tile.
+#define TILE_FMA(r)                                                   \
+  if constexpr (ROWS > r) {                                           \
+    const __m256 av = _mm256_broadcast_ss(a + r);                     \
+    acc##r##0 = _mm256_fmadd_ps(av, b0, acc##r##0);                   \
+    acc##r##1 = _mm256_fmadd_ps(av, b1, acc##r##1);                   \
+  }
+#define TILE_STORE(r)                                                 \
+  if constexpr (ROWS > r) {                                           \
+    float* row = c + r * ldc;                                         \
+    if (cols == kCols) {                                              \
+      _mm256_storeu_ps(row, _mm256_add_ps(acc##r##0, first ? bias0 : _mm256_loadu_ps(row)));         \
+      _mm256_storeu_ps(row + 8, _mm256_add_ps(acc##r##1, first ? bias1 : _mm256_loadu_ps(row + 8))); \
+    } else {                                                          \
+      const ColumnMask m(cols);                                       \
+      _mm256_maskstore_ps(row, m.low, _mm256_add_ps(acc##r##0, first ? bias0 : _mm256_maskload_ps(row, m.low)));  \
+      _mm256_maskstore_ps(row + 8, m.high,                            \
+                          _mm256_add_ps(acc##r##1, first ? bias1 : _mm256_maskload_ps(row + 8, m.high)));          \
+    }                                                                 \
+  }
+
+template <int ROWS>
+__attribute__((noinline)) void tile(int64_t kc, const float* __restrict a, const float* __restrict b,
+                                    float* __restrict c, int64_t ldc, int64_t cols, bool first,
+                                    const float* bias) {
+  __m256 acc00 = _mm256_setzero_ps(), acc01 = acc00, acc10 = acc00, acc11 = acc00, acc20 = acc00, acc21 = acc00,
+         acc30 = acc00, acc31 = acc00, acc40 = acc00, acc41 = acc00, acc50 = acc00, acc51 = acc00;
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k, a += kRows, b += kCols) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    TILE_FMA(0) TILE_FMA(1) TILE_FMA(2) TILE_FMA(3) TILE_FMA(4) TILE_FMA(5)
+  }
+  const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();  // bias is padded to the panel
+  const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  TILE_STORE(0) TILE_STORE(1) TILE_STORE(2) TILE_STORE(3) TILE_STORE(4) TILE_STORE(5)
+}
+#undef TILE_FMA
+#undef TILE_STORE
+
+void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b, float* c, int64_t ldc, int64_t cols,
+               bool first, const float* bias) {
+  switch (rows) {
+    case 6: return tile<6>(kc, a, b, c, ldc, cols, first, bias);
+    case 5: return tile<5>(kc, a, b, c, ldc, cols, first, bias);
+    case 4: return tile<4>(kc, a, b, c, ldc, cols, first, bias);
+    case 3: return tile<3>(kc, a, b, c, ldc, cols, first, bias);
+    case 2: return tile<2>(kc, a, b, c, ldc, cols, first, bias);
+    default: return tile<1>(kc, a, b, c, ldc, cols, first, bias);
+  }
+}
+
+// Row panel p of x (rows [6p, 6p+6), zero past m), k in [k0, k0+kc), as [kc][6].
+void pack_row_panel(const float* x, int64_t ldx, int64_t m, int64_t p, int64_t k0, int64_t kc, float* dst) {
+  const int64_t r0 = p * kRows, rows = std::min(kRows, m - r0);
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (r < rows) {
+      const float* src = x + (r0 + r) * ldx + k0;
+      for (int64_t k = 0; k < kc; ++k) dst[k * kRows + r] = src[k];
+    } else {
+      for (int64_t k = 0; k < kc; ++k) dst[k * kRows + r] = 0.f;
+    }
+  }
+}
+
+std::vector<float>& packed_x_buffer() {  // the caller's, grown once: products must not map fresh pages each call
+  thread_local std::vector<float> buffer;
+  return buffer;
+}
+#endif
+
+}  // namespace
+
+bool available() {
+#ifdef ENGINE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The weight [N, K] as [ceil(N/16)][K][16] panels (zero-padded), float32.
+torch::Tensor pack_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "weight must be a 2-D CPU tensor");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kCols - 1) / kCols;
+  auto padded = torch::zeros({panels * kCols, k}, weight.options().dtype(at::kFloat));
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, kCols, k}).transpose(1, 2).contiguous();
+}
+
+// out[M, N] = x[M, K] @ weight.T + bias, with the weight packed by pack_weight and bias padded to the panels.
+void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+#ifdef ENGINE_AVX2
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(),
+              "x must be float32 CPU rows with unit column stride");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kCols &&
+                  packed.is_contiguous() && packed.size(1) == x.size(1),
+              "packed weight must be [N/16, K, 16] float32 with K = x.size(1)");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = out.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == m &&
+                  n > (panels - 1) * kCols && n <= panels * kCols,
+              "out must be contiguous float32 [M, N] with N within the packed panels");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == panels * kCols,
+                "bias must be float32, padded to the panels");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    out.zero_();
+    if (bias.has_value()) out.add_(bias->narrow(0, 0, n));
+    return;
+  }
+  const int64_t kc_max = chunk_size(k), row_panels = (m + kRows - 1) / kRows;
+  const int64_t chunk_stride = row_panels * kRows;  // floats per k of one chunk: [M/6][kc][6] = kc * chunk_stride
+  std::vector<float>& buffer = packed_x_buffer();
+  if (buffer.size() < static_cast<size_t>(chunk_stride * k)) buffer.resize(chunk_stride * k);
+  float* ax = buffer.data();
+  const float* xs = x.data_ptr<float>();
+  const float* w = packed.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // two threads only pay off when each has a few tiles of work
+  const int threads = (m * n * k >= (int64_t)1 << 18) ? at::get_num_threads() : 1;
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t k0 = 0; k0 < k; k0 += kc_max)
+      for (int64_t p = 0; p < row_panels; ++p) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * kRows * kc);
+      }
+    // implicit barrier: every thread reads all of packed x
+    const int64_t p0 = panels * t / team, p1 = panels * (t + 1) / team;
+    for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+      const int64_t kc = std::min(kc_max, k - k0);
+      const float* chunk = ax + k0 * chunk_stride;
+      for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+        const int64_t i1 = std::min(m, i0 + kRowBlock);
+        for (int64_t q = p0; q < p1; ++q) {
+          const float* panel = w + (q * k + k0) * kCols;
+          const int64_t cols = std::min(kCols, n - q * kCols);
+          const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
+          for (int64_t i = i0; i < i1; i += kRows)
+            tile_rows(std::min(kRows, m - i), kc, chunk + (i / kRows) * kRows * kc, panel, c + i * n + q * kCols, n,
+                      cols, k0 == 0, panel_bias);
+        }
+      }
+    }
+  }
+#else
+  TORCH_CHECK(false, "the engine_attention_cpu GEMM needs AVX2 + FMA (built without them)");
+#endif
+}
+
+}  // namespace engine_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &engine_cpu::available, "True when built with the AVX2 + FMA kernels");
+  m.def("pack_weight", &engine_cpu::pack_weight, "weight [N, K] as [ceil(N/16), K, 16] float32 panels");
+  m.def("linear", &engine_cpu::linear, "out = x @ weight.T (+ bias) with a packed weight (float32, CPU)");
+}
