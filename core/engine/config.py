@@ -120,7 +120,7 @@ class DeviceConfig(_Section):
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when present, else cpu")
     num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
-    layer_kernels: str = Field("auto", description="LayerKernels plugin (fused RMSNorm / SiLU-mul / RoPE); "
+    layer_kernels: str = Field("auto", description="LayerKernels plugin (fused RMSNorm / SiLU-mul / RoPE, packed GEMMs); "
                                "auto = highest priority available, native = torch ops")
 
 
