@@ -86,7 +86,8 @@ def test_half_activations_strided_rows_and_empty_batches(cpu):
 
 
 def test_concurrent_callers_each_get_their_own_product(cpu):
-    """Engines in several threads share one kernel set: the packed input is per calling thread."""
+    """Engines in several threads share one kernel set, and the product runs without the GIL: the
+    packed input is per calling thread, so concurrent calls cannot overwrite each other's."""
     gen = torch.Generator().manual_seed(7)
     product = cpu.pack_linear(torch.randn(64, 576, generator=gen))
     inputs = [torch.randn(rows, 576, generator=gen) for rows in (150, 7, 64, 1)]

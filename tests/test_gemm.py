@@ -1,6 +1,7 @@
 """bfloat16 models on CPUs without bfloat16 GEMMs: float32 weights, products rounded to bfloat16."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.model.layers import gemm
@@ -44,8 +45,6 @@ def test_packed_lm_head_matches_the_plain_product():
     from engine.model.layers.gemm import PackedLinear
 
     if not torch.backends.mkldnn.is_available():
-        import pytest
-
         pytest.skip("no oneDNN in this torch build")
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(1000, 64, generator=gen)
@@ -63,8 +62,6 @@ def test_packed_linear_layers_match_the_plain_products(tiny_llama):
     from engine.model.model_info import resolve_model
 
     if not torch.backends.mkldnn.is_available():
-        import pytest
-
         pytest.skip("no oneDNN in this torch build")
     model = load_model(resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"),
                        show_progress=False)
@@ -78,22 +75,31 @@ def test_packed_linear_layers_match_the_plain_products(tiny_llama):
         torch.testing.assert_close(module(x[:0]), plain[:0])  # an empty batch keeps its shape
 
 
-def test_packed_layers_with_bias_add_it_once():
+@pytest.mark.parametrize("kernels_name", ["native", "cpu"])
+def test_packed_layers_with_bias_add_it_once(kernels_name):
     """Column / QKV layers fold their bias into the packed product; a row-parallel layer adds its bias
     after the all-reduce, so its packed product must leave it out (else it would be added twice)."""
     from engine.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from engine.model.layers.native_kernels import NativeLayerKernels
 
-    if not torch.backends.mkldnn.is_available():
-        import pytest
+    if kernels_name == "native":
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("no oneDNN in this torch build")
+        kernels = NativeLayerKernels()
+    else:
+        pytest.importorskip("engine_attention_cpu._gemm", reason="the cpu kernels are not built")
+        from engine_attention_cpu.gemm import cpu_gemm_available
+        from engine_attention_cpu.layer_kernels import CpuLayerKernels
 
-        pytest.skip("no oneDNN in this torch build")
+        if not cpu_gemm_available():
+            pytest.skip("the cpu GEMM was built without AVX2")
+        kernels = CpuLayerKernels()
     gen = torch.Generator().manual_seed(3)
     layers = torch.nn.ModuleList([MergedColumnParallelLinear(32, [24, 24], bias=True),
                                   QKVParallelLinear(32, 8, 4, 2, bias=True), RowParallelLinear(48, 32, bias=True)])
     for param in layers.parameters():
         param.data.normal_(generator=gen)
-    assert gemm.pack_gemm_weights(layers, NativeLayerKernels()) == 3
+    assert gemm.pack_gemm_weights(layers, kernels) == 3
     for module in layers:
         x = torch.randn(5, module.weight.shape[1], generator=gen)
         expected = torch.nn.functional.linear(x, module.weight, module.bias)

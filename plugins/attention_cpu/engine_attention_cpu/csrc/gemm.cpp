@@ -201,5 +201,7 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optio
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &engine_cpu::available, "True when built with the AVX2 + FMA kernels");
   m.def("pack_weight", &engine_cpu::pack_weight, "weight [N, K] as [ceil(N/16), K, 16] float32 panels");
-  m.def("linear", &engine_cpu::linear, "out = x @ weight.T (+ bias) with a packed weight (float32, CPU)");
+  // without the GIL: an engine's other Python threads (API server, other engines) run during the product
+  m.def("linear", &engine_cpu::linear, "out = x @ weight.T (+ bias) with a packed weight (float32, CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
