@@ -2,7 +2,8 @@
 from engine.hookspecs import CONTRACT_VERSION, hookimpl
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "hookimpl", "CONTRACT_VERSION", "EngineDeadError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "hookimpl", "CONTRACT_VERSION", "EngineDeadError",
+           "EngineGenerateError"]
 __version__ = "0.1.0"
 
 
@@ -15,8 +16,8 @@ def __getattr__(name):  # LLM pulls in torch and transformers: import it on firs
         from engine.runtime.async_llm import AsyncLLM
 
         return AsyncLLM
-    if name == "EngineDeadError":
-        from engine.errors import EngineDeadError
+    if name in ("EngineDeadError", "EngineGenerateError"):
+        from engine import errors
 
-        return EngineDeadError
+        return getattr(errors, name)
     raise AttributeError(name)

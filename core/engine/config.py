@@ -132,6 +132,19 @@ class ServerConfig(_Section):
     api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer KEY' on /v1/* "
                                    "(also read from ENGINE_API_KEY)")
     log_requests: bool = Field(False, description="log every request's id, prompt length and parameters")
+    max_request_body_bytes: Union[str, int] = Field(
+        8 * 1024**2, description="largest request body accepted (accepts 8MiB, 512KiB); larger bodies get HTTP 413")
+    shutdown_grace_period: float = Field(
+        5.0, ge=0, description="seconds that requests in flight get to finish after SIGTERM; then each gets a "
+        "final error (a 503 body, or an error event on a stream) and the server exits")
+
+    @field_validator("max_request_body_bytes", mode="before")
+    @classmethod
+    def _body_bytes(cls, value: Any) -> int:
+        size = parse_bytes(value)
+        if size < 1024:
+            raise ValueError("must be at least 1KiB")
+        return size
 
 
 SECTIONS: dict[str, type[_Section]] = {

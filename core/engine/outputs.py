@@ -25,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[PositionLogprobs]] = None
-    finish_reason: Optional[str] = None  # "stop", "length", "abort"
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error"
     stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -42,3 +42,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     metrics: dict = field(default_factory=dict)
+    error: Optional[str] = None  # set when a sequence ended with finish_reason "error": what went wrong

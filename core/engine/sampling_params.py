@@ -1,11 +1,21 @@
 """SamplingParams: what a request asks of generation, with vLLM's field names and validation."""
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Union
 
 import msgspec
 
 _GREEDY_EPS = 1e-5
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # what crosses the engine-core boundary (msgpack) and torch
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX
+
+
+def _is_int64(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and INT64_MIN <= value <= INT64_MAX)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -53,8 +63,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        for field in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            if not _is_int64(getattr(self, field)):
+                raise ValueError(f"SamplingParams.{field} must be an integer in [{INT64_MIN}, {INT64_MAX}], "
+                                 f"got {getattr(self, field)!r}")
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must be non-negative"),
@@ -68,19 +82,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must not exceed max_tokens"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative token ids"),
+            ("stop_token_ids", all(_is_token_id(t) for t in self.stop_token_ids), "must be non-negative token ids"),
+            ("logit_bias", self.logit_bias is None or all(_is_token_id(t) for t in self.logit_bias),
+             "must map non-negative token ids to biases"),
+            ("logit_bias", self.logit_bias is None or all(math.isfinite(b) for b in self.logit_bias.values()),
+             "must hold finite biases"),
             ("stop", self.stop is None or all(isinstance(s, str) and s for s in self.stop),
              "must be non-empty strings"),
             ("stop", not self.stop or self.detokenize, "needs detokenize=True"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be non-negative"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be non-negative"),
             ("allowed_token_ids", self.allowed_token_ids is None or (
-                len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+                len(self.allowed_token_ids) > 0 and all(_is_token_id(t) for t in self.allowed_token_ids)),
              "must be a non-empty list of token ids"),
             ("bad_words", self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
              "must be non-empty strings"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("bad_words", self.bad_words is None or all(not isinstance(w, str) or _encodable(w) for w in self.bad_words),
+             "must be valid Unicode (no lone surrogates)"),
+            ("stop", self.stop is None or all(not isinstance(s, str) or _encodable(s) for s in self.stop), "must be valid Unicode (no lone surrogates)"),
         ]
         for field, ok, message in checks:
             if not ok:
@@ -94,17 +113,27 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def for_child(self, index: int) -> "SamplingParams":
         """The settings of sequence ``index`` of an n>1 request: n=1, and its own seed if seeded."""
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN  # stays int64
         return msgspec.structs.replace(self, n=1, seed=seed)
 
     def validate_for_model(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids inside the vocabulary, logprob counts."""
         for field, ids in (("logit_bias", list(self.logit_bias or {})), ("allowed_token_ids", self.allowed_token_ids or []),
-                           ("stop_token_ids", self.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab_size]
+                           ("stop_token_ids", self.stop_token_ids),
+                           ("bad_words", [t for seq in self.bad_words_token_ids or [] for t in seq])):
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.{field} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
             if value is not None and value > max_logprobs:
                 raise ValueError(f"SamplingParams.{field}={value} exceeds the server's max_logprobs={max_logprobs}")
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode that UTF-8 can carry (JSON allows lone surrogates; tokenizers don't)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -115,8 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.cfg__model__model = args.model_tag
     config = config_from_args(args)
     logging.getLogger("engine").setLevel(logging.INFO)
-    run_server(config)
-    return 0
+    return run_server(config)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

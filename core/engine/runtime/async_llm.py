@@ -4,10 +4,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from typing import AsyncGenerator, Optional
 
 from engine.config import VllmConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineGenerateError
 from engine.outputs import RequestOutput
 from engine.runtime.core_client import AsyncMPClient
 from engine.runtime.input_processor import PromptType, build_front_end
@@ -20,11 +21,15 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     """``async for output in engine.generate(prompt, params, request_id)``; cancelling aborts."""
 
-    def __init__(self, vllm_config: VllmConfig):
+    def __init__(self, vllm_config: VllmConfig, cancel_start: Optional[threading.Event] = None):
+        """Start the engine core and wait until it is ready. Setting ``cancel_start`` (from another thread)
+        makes a start-up in progress stop the core and raise EngineDeadError."""
         self.vllm_config = vllm_config
         logger.info("engine config:\n%s", vllm_config.summary())
         # the core process loads the model while this process reads the tokenizer: start-up overlaps
         self.engine_core = AsyncMPClient(vllm_config)
+        if cancel_start is not None:
+            self.engine_core.cancel_start = cancel_start
         try:
             self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
             self.engine_core.wait_ready()
@@ -64,6 +69,7 @@ class AsyncLLM:
                 if stopped:
                     await self.engine_core.abort_requests_async(stopped)
         except EngineDeadError as exc:
+            logger.error("the engine is dead: %s", exc)
             self.dead_error = exc
             for waiting in self.queues.values():
                 waiting.put_nowait(exc)
@@ -77,7 +83,10 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's (cumulative) output after each step until it finishes."""
+        """Yield the request's (cumulative) output after each step until it finishes.
+
+        Raises ValueError for a bad prompt or parameters, EngineGenerateError when the engine core could not
+        process this request (the engine serves the others), EngineDeadError when the engine is gone."""
         if self.dead_error:
             raise self.dead_error
         self._ensure_output_handler()
@@ -94,6 +103,8 @@ class AsyncLLM:
                 item = await waiting.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # the finally aborts its other sequences, if any
+                    raise EngineGenerateError(f"request {request_id} failed in the engine: {item.error}")
                 finished = item.finished
                 yield item
         finally:

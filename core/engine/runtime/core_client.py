@@ -27,6 +27,7 @@ from engine.errors import EngineDeadError
 from engine.model.model_info import ModelInfo
 from engine.runtime.core_proc import EngineCoreProc, encode_request
 from engine.runtime.engine_core import EngineCore
+from engine.runtime.lifetime import describe_exit, remove_ipc_dir
 from engine.runtime.messages import (OUTPUTS_DECODER, READY_CALL_ID, EngineCoreOutputs, EngineCoreRequest,
                                      EngineCoreRequestType, UtilityCall)
 from engine.scheduler.scheduler import SchedulerStats
@@ -96,12 +97,32 @@ class MPClient:
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.bind(self.output_address)
         spawn = multiprocessing.get_context("spawn")
+        # not a daemon: it starts worker processes of its own; it watches this process and ends with it
         self.proc = spawn.Process(target=EngineCoreProc.run_engine_core, name="EngineCore",
                                   args=(vllm_config, self.input_address, self.output_address,
-                                        logging.getLogger("engine").getEffectiveLevel()), daemon=False)
-        self.proc.start()
+                                        logging.getLogger("engine").getEffectiveLevel(), os.getpid(),
+                                        self.ipc_dir), daemon=False)
+        try:
+            self.proc.start()
+        except BaseException:
+            remove_ipc_dir(self.ipc_dir)
+            raise
         self.dead_error: Optional[str] = None
         self.call_ids = itertools.count()
+        self.cancel_start = threading.Event()  # set from any thread: a start-up wait gives up
+
+    def _wait_ready(self, sync_socket: zmq.Socket) -> None:
+        """Block until the core reports ready; EngineDeadError if it failed, died or start-up was cancelled."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.cancel_start.is_set():
+                raise EngineDeadError("engine start-up cancelled")
+            if sync_socket.poll(200):
+                if self._check_ready(OUTPUTS_DECODER.decode(sync_socket.recv())):
+                    return
+            elif not self.proc.is_alive():
+                raise EngineDeadError(f"engine core process ended during start-up ({describe_exit(self.proc)})")
+        raise EngineDeadError(f"engine core not ready after {STARTUP_TIMEOUT_S}s")
 
     def _check_ready(self, outputs: EngineCoreOutputs) -> bool:
         if outputs.engine_error:
@@ -125,15 +146,7 @@ class MPClient:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
-        for name in ("input", "output"):
-            try:
-                os.unlink(os.path.join(self.ipc_dir, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(self.ipc_dir)
-        except OSError:
-            pass
+        remove_ipc_dir(self.ipc_dir)
 
 
 class SyncMPClient(MPClient, EngineCoreClient):
@@ -143,19 +156,13 @@ class SyncMPClient(MPClient, EngineCoreClient):
         super().__init__(vllm_config, zmq.Context())
         self.outputs: queue.Queue = queue.Queue()
         self.pending_calls: dict[int, queue.Queue] = {}
-        self._wait_ready()
+        try:
+            self._wait_ready(self.output_socket)
+        except BaseException:
+            self._stop_process(graceful=False)
+            raise
         self.reader = threading.Thread(target=self._read_outputs, name="EngineCoreOutputReader", daemon=True)
         self.reader.start()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.output_socket.poll(200):
-                if self._check_ready(OUTPUTS_DECODER.decode(self.output_socket.recv())):
-                    return
-            elif not self.proc.is_alive():
-                raise EngineDeadError(f"engine core process exited with code {self.proc.exitcode} during start-up")
-        raise EngineDeadError(f"engine core not ready after {STARTUP_TIMEOUT_S}s")
 
     def _read_outputs(self) -> None:
         try:
@@ -167,7 +174,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
         while self.dead_error is None:
             if not self.output_socket.poll(100):
                 if not self.proc.is_alive():
-                    self._fail(f"engine core process died (exit code {self.proc.exitcode})")
+                    self._fail(f"engine core process died ({describe_exit(self.proc)})")
                 continue
             outputs = OUTPUTS_DECODER.decode(self.output_socket.recv())
             if outputs.engine_error:
@@ -240,15 +247,7 @@ class AsyncMPClient(MPClient):
     def wait_ready(self) -> None:
         """Block until the core reports ready (or raise EngineDeadError if it failed to start)."""
         # start-up happens before the event loop serves anyone: a blocking wait through a sync socket view
-        sync_socket = zmq.Socket.shadow(self.output_socket.underlying)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if sync_socket.poll(200):
-                if self._check_ready(OUTPUTS_DECODER.decode(sync_socket.recv())):
-                    return
-            elif not self.proc.is_alive():
-                raise EngineDeadError(f"engine core process exited with code {self.proc.exitcode} during start-up")
-        raise EngineDeadError(f"engine core not ready after {STARTUP_TIMEOUT_S}s")
+        self._wait_ready(zmq.Socket.shadow(self.output_socket.underlying))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         while True:
@@ -256,7 +255,7 @@ class AsyncMPClient(MPClient):
                 raise EngineDeadError(self.dead_error)
             if not await self.output_socket.poll(100):
                 if not self.proc.is_alive():
-                    raise self._fail(f"engine core process died (exit code {self.proc.exitcode})")
+                    raise self._fail(f"engine core process died ({describe_exit(self.proc)})")
                 continue
             outputs = OUTPUTS_DECODER.decode(await self.output_socket.recv())
             if outputs.engine_error:

@@ -2,21 +2,23 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from engine.config import VllmConfig
 from engine.runtime.engine_core import EngineCore
+from engine.runtime.lifetime import (exit_on_sigterm, remove_ipc_dir, use_thread_lock_for_progress_bars,
+                                     watch_parent)
 from engine.runtime.messages import (ENCODER, READY_CALL_ID, REQUEST_DECODERS, EngineCoreOutputs,
                                      EngineCoreRequestType, UtilityCall, UtilityOutput)
+from engine.scheduler.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "check_health"}
-_PARENT_POLL_MS = 500
+_IDLE_POLL_MS = 500
 
 
 class EngineCoreProc(EngineCore):
@@ -29,20 +31,30 @@ class EngineCoreProc(EngineCore):
         try:
             super().__init__(vllm_config)
         except BaseException as exc:
-            self._send(EngineCoreOutputs([], engine_error=f"{type(exc).__name__}: {exc}"))
+            self._send_last_words(f"{type(exc).__name__}: {exc}")
             raise
         self.input_socket = self.ctx.socket(zmq.PULL)
         self.input_socket.connect(input_address)
-        self.parent_pid = os.getppid()
         self.running = True
         self._send(EngineCoreOutputs([], utility_output=UtilityOutput(READY_CALL_ID, self.kv_cache_config.num_blocks)))
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         self.output_socket.send(ENCODER.encode(outputs), copy=False)
 
+    def _send_last_words(self, error: str) -> None:
+        """Tell the front end why this core is going down, without blocking if nobody listens any more."""
+        try:
+            self.output_socket.send(ENCODER.encode(EngineCoreOutputs([], engine_error=error)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     def _handle(self, frames: list[bytes]) -> None:
-        kind = EngineCoreRequestType(frames[0])
-        payload = REQUEST_DECODERS[kind].decode(frames[1])
+        try:
+            kind = EngineCoreRequestType(frames[0])
+            payload = REQUEST_DECODERS[kind].decode(frames[1])
+        except (ValueError, IndexError, msgspec.DecodeError) as exc:  # ValidationError is a DecodeError
+            self._refuse_message(frames, exc)
+            return
         if kind is EngineCoreRequestType.ADD:
             self.add_request(payload)
         elif kind is EngineCoreRequestType.ABORT:
@@ -51,6 +63,18 @@ class EngineCoreProc(EngineCore):
             self._send(EngineCoreOutputs([], utility_output=self._call_utility(payload)))
         else:
             self.running = False
+
+    def _refuse_message(self, frames: list[bytes], exc: Exception) -> None:
+        """A message that does not decode fails its request (when it names one), never the core."""
+        request_id = None
+        try:
+            raw = msgspec.msgpack.decode(frames[1])
+            request_id = raw.get("request_id") if isinstance(raw, dict) else None
+        except Exception:
+            pass
+        logger.warning("engine core: refused a malformed message (request %s): %s", request_id, exc)
+        if isinstance(request_id, str):
+            self._send(EngineCoreOutputs([EngineCoreOutput(request_id, [], "error", error=f"invalid request: {exc}")]))
 
     def _call_utility(self, call: UtilityCall) -> UtilityOutput:
         if call.method not in UTILITY_METHODS:
@@ -69,27 +93,27 @@ class EngineCoreProc(EngineCore):
         poller.register(self.input_socket, zmq.POLLIN)
         while self.running:
             busy = self.has_work()
-            # block only when idle; wake up now and then to notice an orphaned core
-            if dict(poller.poll(0 if busy else _PARENT_POLL_MS)):
+            if dict(poller.poll(0 if busy else _IDLE_POLL_MS)):  # block only when idle
                 while self.running:
                     try:
                         self._handle(self.input_socket.recv_multipart(flags=zmq.NOBLOCK))
                     except zmq.Again:
                         break
-            if os.getppid() != self.parent_pid:
-                logger.warning("engine core: the front-end process is gone; shutting down")
-                break
             if self.running and self.has_work():
                 outputs = self.step()
                 if outputs.outputs:
                     self._send(outputs)
 
     @staticmethod
-    def run_engine_core(vllm_config: VllmConfig, input_address: str, output_address: str, log_level: int) -> None:
-        """Process entry point."""
+    def run_engine_core(vllm_config: VllmConfig, input_address: str, output_address: str, log_level: int,
+                        parent_pid: int, ipc_dir: str) -> None:
+        """Process entry point: ends with its parent from the first instant (loading included), and
+        removes the IPC folder on every exit path."""
+        exit_on_sigterm()
+        watch_parent(parent_pid, "engine core", cleanup=lambda: remove_ipc_dir(ipc_dir))
+        use_thread_lock_for_progress_bars()
         logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                             datefmt="%H:%M:%S")
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
         core = None
         try:
             core = EngineCoreProc(vllm_config, input_address, output_address)
@@ -99,11 +123,12 @@ class EngineCoreProc(EngineCore):
         except BaseException as exc:
             logger.error("engine core died: %s\n%s", exc, traceback.format_exc())
             if core is not None:
-                core._send(EngineCoreOutputs([], engine_error=f"{type(exc).__name__}: {exc}"))
+                core._send_last_words(f"{type(exc).__name__}: {exc}")
         finally:
             if core is not None:
                 core.shutdown()
                 core.ctx.destroy(linger=1000)
+            remove_ipc_dir(ipc_dir)
 
 
 def encode_request(kind: EngineCoreRequestType, payload: Any) -> list[bytes]:

@@ -8,13 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from engine.config import VllmConfig
+from engine.errors import EngineDeadError
 from engine.interfaces.base import SelectionContext
 from engine.kv_cache.spec import make_kv_cache_config
 from engine.model.model_info import ModelInfo, resolve_model
 from engine.plugins import get_plugin_manager
 from engine.runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.scheduler import Scheduler, SchedulerStats
+from engine.scheduler.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,13 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
 
 
 class EngineCore:
-    """Owns the scheduler and the executor; one ``step`` is one forward pass of the batch."""
+    """Owns the scheduler and the executor; one ``step`` is one forward pass of the batch.
+
+    A request whose processing raises fails alone: a bad request at ``add_request`` is answered with an
+    error output at once; a step that raises is rolled back (its requests preempted) and its requests
+    rerun one per step until the failure names one of them, which finishes with ``finish_reason="error"``.
+    Only ``EngineDeadError`` (a dead worker, a failed collective) ends the engine.
+    """
 
     def __init__(self, vllm_config: VllmConfig, model_info: Optional[ModelInfo] = None):
         start = time.perf_counter()
@@ -53,26 +61,60 @@ class EngineCore:
         self.scheduler = Scheduler(vllm_config, self.kv_cache_config, self.plugins["kv_cache_coordinator"].cls,
                                    self.model_info.max_model_len)
         self.batch_queue: deque = deque()
+        self.in_flight: list[SchedulerOutput] = []  # steps scheduled whose results are not applied yet
+        self.error_outputs: list[EngineCoreOutput] = []  # requests that failed, to report with the next step
         self.exec_thread = ThreadPoolExecutor(1, thread_name_prefix="execute") if \
             vllm_config.scheduler.async_scheduling else None
         logger.info("engine core ready in %.1fs", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
-            request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-            self.kv_cache_config.block_size, request.cache_salt, request.arrival_time))
+        try:
+            self._check_request(request)
+            self.scheduler.add_request(Request(
+                request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
+                self.kv_cache_config.block_size, request.cache_salt, request.arrival_time))
+        except Exception as exc:
+            logger.warning("request %s refused by the engine core: %s", request.request_id, exc)
+            self.error_outputs.append(EngineCoreOutput(request.request_id, [], "error",
+                                                       error=f"{type(exc).__name__}: {exc}"))
+
+    def _check_request(self, request: EngineCoreRequest) -> None:
+        """The front end validates; the core checks again whatever could break it (any client may send)."""
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        vocab, max_len = self.model_info.vocab_size, self.model_info.max_model_len
+        if not 0 < len(request.prompt_token_ids) < max_len:
+            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; it must have between 1 and "
+                             f"{max_len - 1}")
+        if not all(0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab:
+            raise ValueError(f"eos_token_id must lie in [0, {vocab})")
+        request.sampling_params.validate_for_model(vocab, self.vllm_config.model.max_logprobs)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
-        if self.exec_thread is not None:
-            return self.step_with_batch_queue()
+        """One step; a failure that can be pinned to requests fails them, not the engine."""
+        try:
+            outputs = self.step_with_batch_queue() if self.exec_thread is not None else self._step()
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            outputs = self._recover_from_failed_step(exc)
+        if self.error_outputs:
+            outputs.outputs[:0], self.error_outputs = self.error_outputs, []
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs([], self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
+        self.in_flight.append(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.in_flight.clear()
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
@@ -82,16 +124,44 @@ class EngineCore:
             if not scheduler_output.is_empty:
                 future = self.exec_thread.submit(self.executor.execute_model, scheduler_output)
                 self.batch_queue.append((scheduler_output, future))
+                self.in_flight.append(scheduler_output)
                 if len(self.batch_queue) < 2:
                     return EngineCoreOutputs([], self.scheduler.make_stats())  # let the next step be planned
         if not self.batch_queue:
             return EngineCoreOutputs([], self.scheduler.make_stats())
-        scheduler_output, future = self.batch_queue.popleft()
+        scheduler_output, future = self.batch_queue[0]
         outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        self.batch_queue.popleft()
+        self.in_flight.remove(scheduler_output)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
+    def _recover_from_failed_step(self, exc: Exception) -> EngineCoreOutputs:
+        """Pin a step's failure on its requests: one request fails; several are rolled back and isolated."""
+        for _, future in self.batch_queue:  # steps planned on top of the failed one: wait, drop their results
+            try:
+                future.result()
+            except Exception:
+                pass
+        self.batch_queue.clear()
+        failed, self.in_flight = self.in_flight, []
+        suspects = list(dict.fromkeys(rid for output in failed for rid in output.num_scheduled_tokens
+                                      if rid in self.scheduler.requests))
+        if not suspects:
+            raise exc  # not a request's step (the scheduler itself): nothing to pin it on
+        for output in failed:  # the workers may not have dropped these yet
+            self.scheduler.finished_req_ids.update(output.finished_req_ids)
+        reason = f"{type(exc).__name__}: {exc}"
+        if len(suspects) == 1:
+            logger.error("request %s failed in the engine core and was ended: %s", suspects[0], reason,
+                         exc_info=exc)
+            return EngineCoreOutputs(self.scheduler.fail_requests(suspects, reason), self.scheduler.make_stats())
+        logger.warning("a step of %d requests failed (%s); rerunning them one at a time to find the request "
+                       "that causes it", len(suspects), reason)
+        self.scheduler.isolate(suspects)
+        return EngineCoreOutputs([], self.scheduler.make_stats())
+
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self.error_outputs)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -33,6 +33,16 @@ class InputProcessor:
                     sequences.append(ids)
         return sequences
 
+    def check_context_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The prompt and ``max_tokens`` must fit the context (the server answers 400 as vLLM does; offline
+        generation stops at the context length instead)."""
+        max_len = self.model_info.max_model_len
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
+            raise ValueError(
+                f"SamplingParams.max_tokens too large: this model's maximum context length is {max_len} tokens, "
+                f"and {num_prompt_tokens + params.max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} in the completion); reduce the prompt or max_tokens")
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 cache_salt: Optional[str] = None) -> tuple[Optional[str], list[EngineCoreRequest]]:
         """Return (prompt text if any, the engine-core requests: one per sequence when n > 1).
@@ -55,14 +65,14 @@ class InputProcessor:
             token_ids = list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model_info.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         max_len = self.model_info.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; the context length is {max_len} "
                              "and at least one token must be generated")
+        vocab = self.model_info.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         params.validate_for_model(vocab, self.max_logprobs)
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))

@@ -59,6 +59,7 @@ class ParentRequest:
         self.sequences: list[SequenceState] = []
         self.prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
         self.num_cached_tokens = 0
+        self.error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -67,7 +68,7 @@ class ParentRequest:
     def make_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [seq.completion() for seq in self.sequences], self.finished,
-                             self.num_cached_tokens, self.prompt_logprobs)
+                             self.num_cached_tokens, self.prompt_logprobs, error=self.error)
 
 
 class OutputProcessor:
@@ -138,6 +139,8 @@ class OutputProcessor:
                 stopped.append(seq.request_id)
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            if out.error is not None:
+                parent.error = parent.error or out.error
             if seq.finish_reason is not None:
                 del self.sequences[seq.request_id]
             changed[parent.request_id] = parent

@@ -27,6 +27,7 @@ class EngineCoreOutput(msgspec.Struct):
     num_cached_tokens: int = 0
     new_logprobs: Optional[list[TokenLogprobs]] = None
     new_prompt_logprobs: Optional[list[TokenLogprobs]] = None
+    error: Optional[str] = None  # with finish_reason "error": why this request failed
 
 
 class SchedulerStats(msgspec.Struct):
@@ -61,6 +62,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # requests of a step that failed: run one at a time until each has sampled, to find the culprit
+        self.isolated: dict[str, None] = {}
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than the "
@@ -85,7 +88,36 @@ class Scheduler:
             request.status = status
             self._free_request(request)
 
+    def fail_requests(self, request_ids: Iterable[str], error: str) -> list[EngineCoreOutput]:
+        """Finish requests whose processing raised; their blocks return to the pool."""
+        request_ids = [rid for rid in request_ids if rid in self.requests]
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(rid, [], RequestStatus.FINISHED_ERROR.finish_reason, error=error) for rid in request_ids]
+
+    def isolate(self, request_ids: Iterable[str]) -> None:
+        """Roll back the requests of a failed step (preempt: their KV is recomputed) and schedule them one at
+        a time, alone in their steps, until each has sampled a token: the next failure names its request."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+            self.isolated[request_id] = None
+
+    def _isolated_target(self) -> Optional[str]:
+        """The one request a step may run while requests are isolated (None: none are); it goes first."""
+        for request_id in self.isolated:
+            request = self.requests[request_id]
+            if request.status != RequestStatus.RUNNING and self.waiting[0] is not request:
+                self.waiting.remove(request)
+                self.waiting.appendleft(request)
+            return request_id
+        return None
+
     def _free_request(self, request: Request) -> None:
+        self.isolated.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -103,10 +135,14 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
+        target = self._isolated_target()
 
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if target is not None and request.request_id != target:
+                req_index += 1
+                continue
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                           token_budget, self.max_model_len - request.num_computed_tokens)
             if self._reached_max_tokens(request):
@@ -133,6 +169,8 @@ class Scheduler:
         if not preempted:  # a step that had to preempt admits nobody new
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                if target is not None and (request.request_id != target or num_scheduled):
+                    break
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if not self.enable_chunked_prefill and num_new > token_budget:
@@ -194,6 +232,8 @@ class Scheduler:
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            if token_ids:
+                self.isolated.pop(req_id, None)  # it ran through the sampler alone: not the culprit
             new_token_ids = []
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])

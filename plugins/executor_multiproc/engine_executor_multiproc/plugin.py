@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import socket
 import time
 import traceback
@@ -17,6 +18,7 @@ from typing import Any, Optional
 from engine import hookimpl
 from engine.errors import EngineDeadError
 from engine.interfaces.executor import Executor
+from engine.runtime.lifetime import describe_exit, use_thread_lock_for_progress_bars, watch_parent
 
 ENGINE_CONTRACT_VERSION = "1.0"
 logger = logging.getLogger(__name__)
@@ -30,8 +32,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker_main(vllm_config, plugin_choices: dict, rank: int, init_method: str, conn, log_level: int) -> None:
-    """A worker process: build the Worker, then serve calls until told to stop or the parent goes."""
+def worker_main(vllm_config, plugin_choices: dict, rank: int, init_method: str, conn, log_level: int,
+                parent_pid: int) -> None:
+    """A worker process: build the Worker, then serve calls until told to stop or the parent goes (it is
+    watched from the first instant, so a parent killed while this worker loads takes it along)."""
+    watch_parent(parent_pid, f"worker rank {rank}")
+    use_thread_lock_for_progress_bars()
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from engine.worker.worker import Worker
@@ -75,7 +81,7 @@ class MultiprocExecutor(Executor):
             parent_conn, child_conn = spawn.Pipe()
             proc = spawn.Process(target=worker_main, name=f"EngineWorker-{rank}", daemon=True,
                                  args=(self.vllm_config, self.plugin_choices, rank, init_method, child_conn,
-                                       logging.getLogger().getEffectiveLevel()))
+                                       logging.getLogger().getEffectiveLevel(), os.getpid()))
             proc.start()
             child_conn.close()
             self.workers.append(proc)
@@ -104,12 +110,15 @@ class MultiprocExecutor(Executor):
                     if self.conns[rank].poll():
                         continue  # it answered before exiting: read that first
                     proc = self.workers[rank]
-                    raise self._fail(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+                    raise self._fail(f"worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc)})")
                 rank = by_conn[item]
                 try:
                     status, value = item.recv()
                 except (EOFError, OSError):
-                    raise self._fail(f"worker rank {rank} closed its pipe") from None
+                    proc = self.workers[rank]
+                    proc.join(1.0)  # a closed pipe is most often a dead process: say how it died
+                    why = f"died ({describe_exit(proc)})" if not proc.is_alive() else "closed its pipe"
+                    raise self._fail(f"worker rank {rank} (pid {proc.pid}) {why}") from None
                 if status == "error":
                     raise self._fail(value)
                 results[rank] = value
@@ -136,7 +145,7 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         for rank, proc in enumerate(self.workers):
             if not proc.is_alive():
-                raise self._fail(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+                raise self._fail(f"worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc)})")
 
     def shutdown(self) -> None:
         for conn in getattr(self, "conns", []):

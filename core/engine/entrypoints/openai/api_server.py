@@ -6,6 +6,9 @@ import asyncio
 import json
 import logging
 import os
+import socket
+import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
@@ -20,9 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import engine as engine_pkg
 from engine.config import VllmConfig
 from engine.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from engine.entrypoints.openai.middleware import ApiKeyMiddleware, RequestGuardMiddleware
 from engine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 TokenizeRequest, error_body, now, random_id)
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineGenerateError
 from engine.outputs import RequestOutput
 
 logger = logging.getLogger("engine.server")
@@ -32,8 +36,11 @@ class APIError(Exception):
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None, err_type: Optional[str] = None):
         super().__init__(message)
         self.status, self.param = status, param
-        self.err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                                     503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+        self.err_type = err_type or ERROR_TYPES.get(status, "InternalServerError")
+
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+               499: "ClientClosedRequest", 503: "ServiceUnavailableError"}
 
 
 def _error(message: str, status: int, param: Optional[str] = None, err_type: Optional[str] = None) -> JSONResponse:
@@ -55,11 +62,15 @@ def build_app(config: VllmConfig) -> FastAPI:
     api_key = config.server.api_key or os.environ.get("ENGINE_API_KEY")
     metrics = ServerMetrics(model_name)
 
+    cancel_start = threading.Event()  # set on shutdown: a start-up in progress stops its engine core
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
         app.state.loader = asyncio.create_task(_load_engine(app))
         yield
-        app.state.loader.cancel()
+        cancel_start.set()
+        await asyncio.shield(app.state.loader)  # the start-up thread stops its core before it returns
         if app.state.engine is not None:
             app.state.engine.shutdown()
 
@@ -67,19 +78,28 @@ def build_app(config: VllmConfig) -> FastAPI:
         from engine.runtime.async_llm import AsyncLLM
 
         try:
-            app.state.engine = await asyncio.to_thread(AsyncLLM, config)
+            app.state.engine = await asyncio.to_thread(AsyncLLM, config, cancel_start)
             logger.info("engine ready: serving %r at http://%s:%d/v1", model_name, config.server.host,
                         config.server.port)
         except BaseException as exc:
             app.state.load_error = f"{type(exc).__name__}: {exc}"
-            logger.error("engine failed to start: %s", app.state.load_error)
+            if not cancel_start.is_set():
+                logger.error("engine failed to start: %s", app.state.load_error)
+                server = getattr(app.state, "server", None)
+                if server is not None:  # `engine serve` exits non-zero instead of answering 503 forever
+                    app.state.exit_code = 1
+                    server.should_exit = True
 
     app = FastAPI(title="engine", version=engine_pkg.__version__, lifespan=lifespan)
     app.state.engine = None
     app.state.load_error = None
+    app.state.exit_code = 0
+    app.state.draining = asyncio.Event()  # set when requests in flight must end: the server is going down
 
     def get_engine():
         engine = app.state.engine
+        if app.state.draining.is_set():
+            raise APIError("the server is shutting down", 503)
         if engine is None:
             raise APIError(app.state.load_error or "the model is still loading", 503)
         if engine.errored:
@@ -91,12 +111,9 @@ def build_app(config: VllmConfig) -> FastAPI:
             raise APIError(f"The model `{name}` does not exist. Served: `{model_name}`", 404, "model",
                            "NotFoundError")
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
-                return _error("invalid or missing API key", 401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestGuardMiddleware, max_body_bytes=config.server.max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
@@ -126,6 +143,11 @@ def build_app(config: VllmConfig) -> FastAPI:
     async def dead_error(_, exc: EngineDeadError):
         return _error(f"the engine is dead: {exc}", 503, err_type="EngineDeadError")
 
+    @app.exception_handler(EngineGenerateError)
+    async def generate_error(request: Request, exc: EngineGenerateError):
+        logger.error("request %s failed: %s", getattr(request.state, "request_id", "?"), exc)
+        return _error(str(exc), 500, err_type="EngineGenerateError")
+
     # ---- service endpoints -------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -149,7 +171,7 @@ def build_app(config: VllmConfig) -> FastAPI:
             try:
                 metrics.update_from_stats(await asyncio.wait_for(engine.get_stats(), timeout=10))
             except Exception as exc:  # metrics must answer even if the engine cannot
-                logger.warning("could not refresh engine stats: %s", exc)
+                logger.warning("could not refresh engine stats: %s: %s", type(exc).__name__, exc)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -162,9 +184,10 @@ def build_app(config: VllmConfig) -> FastAPI:
         engine = get_engine()
         check_model(body.model)
         if body.messages is not None:
-            tokens = _chat_prompt_ids(engine, body.messages, True, None)
+            tokens = await asyncio.to_thread(_chat_prompt_ids, engine, body.messages, True, None)
         elif body.prompt is not None:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(engine.tokenizer.encode, body.prompt,
+                                             add_special_tokens=body.add_special_tokens)
         else:
             raise APIError("give 'prompt' or 'messages'", 400, "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.model_info.max_model_len}
@@ -179,6 +202,16 @@ def build_app(config: VllmConfig) -> FastAPI:
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     # ---- generation --------------------------------------------------------------------------
+    async def tokenized(engine, prompts: list) -> list[dict]:
+        """Every prompt as token ids; text is tokenized off the event loop (a long prompt must not stall
+        the other clients, /health included)."""
+        def encode_all() -> list[dict]:
+            return [{"prompt_token_ids": engine.tokenizer.encode(p)} if isinstance(p, str) else p for p in prompts]
+
+        if not any(isinstance(p, str) for p in prompts):
+            return prompts
+        return await asyncio.to_thread(encode_all)
+
     async def generate(engine, prompt: Any, params, request_id: str, http_request: Request) -> AsyncIterator[RequestOutput]:
         """Outputs of one prompt, measured for the metrics."""
         timer = RequestTimer(metrics, time.monotonic)
@@ -192,22 +225,44 @@ def build_app(config: VllmConfig) -> FastAPI:
         if output is not None:
             timer.on_finish(len(output.prompt_token_ids))
 
+    streams: set[asyncio.Queue] = set()  # the queues of the streams in flight, told when the server drains
+
+    def drain() -> None:
+        """End every request in flight with an error: the server is going down."""
+        app.state.draining.set()
+        for queue in list(streams):
+            queue.put_nowait((None, APIError("the server is shutting down", 503)))
+
+    def begin_drain(delay: float) -> None:
+        """From the SIGTERM handler: requests in flight get ``delay`` seconds, then ``drain``."""
+        loop = getattr(app.state, "loop", None)
+        if loop is not None and not app.state.draining.is_set():
+            loop.call_soon_threadsafe(loop.call_later, delay, drain)
+
+    app.state.begin_drain = begin_drain
+
     async def final_outputs(engine, prompts: list, params, base_id: str, http_request: Request) -> list[RequestOutput]:
-        """Non-streaming: run every prompt; a client that goes away aborts them all."""
+        """Non-streaming: run every prompt; a client that goes away, a failed prompt or a shutdown aborts them all."""
         async def last(index: int, prompt) -> RequestOutput:
             final = None
             async for final in generate(engine, prompt, params, f"{base_id}-{index}", http_request):
                 pass
             return final
 
-        work = asyncio.gather(*(last(i, p) for i, p in enumerate(prompts)))
-        while True:
-            done, _ = await asyncio.wait({work}, timeout=0.5)
-            if done:
-                return work.result()
-            if await http_request.is_disconnected():
-                work.cancel()
-                raise APIError("client disconnected", 499)
+        tasks = [asyncio.create_task(last(i, p)) for i, p in enumerate(prompts)]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                if not pending or any(t.exception() is not None for t in done):
+                    return [t.result() for t in tasks]  # raises the first failure
+                if app.state.draining.is_set():
+                    raise APIError("the server is shutting down", 503)
+                if await http_request.is_disconnected():
+                    raise APIError("client disconnected", 499)
+        finally:
+            for task in tasks:
+                task.cancel()  # cancelling a prompt's generator aborts its request in the engine
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def merged(engine, prompts: list, params, base_id: str, http_request: Request):
         """Streaming: (prompt index, output) as they come, from every prompt's generator."""
@@ -223,6 +278,9 @@ def build_app(config: VllmConfig) -> FastAPI:
             finally:
                 await queue.put((index, None))
 
+        if app.state.draining.is_set():
+            raise APIError("the server is shutting down", 503)
+        streams.add(queue)
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
         remaining = len(tasks)
         try:
@@ -235,6 +293,7 @@ def build_app(config: VllmConfig) -> FastAPI:
                 else:
                     yield index, item
         finally:
+            streams.discard(queue)
             for task in tasks:
                 task.cancel()  # a disconnected client: every prompt's request is aborted
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -247,11 +306,18 @@ def build_app(config: VllmConfig) -> FastAPI:
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    def sse_error(exc: Exception) -> str:
-        """A stream that fails after its 200 header ends with an OpenAI error event."""
+    def sse_error(exc: Exception, request_id: str) -> str:
+        """A stream that fails after its 200 header ends with an OpenAI error event (then ``[DONE]``)."""
         if isinstance(exc, APIError):
             return sse(error_body(str(exc), exc.err_type, exc.param, exc.status))
-        return sse(error_body(f"the engine is dead: {exc}", "EngineDeadError", None, 503))
+        if isinstance(exc, EngineDeadError):
+            return sse(error_body(f"the engine is dead: {exc}", "EngineDeadError", None, 503))
+        if isinstance(exc, EngineGenerateError):
+            logger.error("stream %s failed: %s", request_id, exc)
+            return sse(error_body(str(exc), "EngineGenerateError", None, 500))
+        logger.error("stream %s failed", request_id, exc_info=exc)
+        return sse(error_body(f"internal error ({type(exc).__name__}); request id {request_id}",
+                              "InternalServerError", None, 500))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http_request: Request):
@@ -261,10 +327,11 @@ def build_app(config: VllmConfig) -> FastAPI:
             raise APIError("'echo' and 'suffix' are not supported", 400, "echo" if body.echo else "suffix")
         if body.logprobs is not None and body.logprobs > 5:
             raise APIError("logprobs must be at most 5 for completions", 400, "logprobs")
-        prompts = _completion_prompts(body.prompt)
         params = body.sampling_params(body.max_tokens, body.logprobs, 16)
+        prompts = await tokenized(engine, _completion_prompts(body.prompt))
         for prompt in prompts:  # validate every prompt before any is started
             engine.input_processor.process("validate", prompt, params)
+            engine.input_processor.check_context_length(len(prompt["prompt_token_ids"]), params)
         request_id, created = random_id("cmpl"), now()
         header = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
         n = params.n
@@ -314,8 +381,8 @@ def build_app(config: VllmConfig) -> FastAPI:
                                                           "stop_reason": c.stop_reason}], "usage": None})
                 if include_usage:
                     yield sse({**header, "choices": [], "usage": usage(list(finals.values()))})
-            except (APIError, EngineDeadError) as exc:
-                yield sse_error(exc)
+            except Exception as exc:  # every failure after the 200 header ends the stream with an error event
+                yield sse_error(exc, request_id)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -328,12 +395,14 @@ def build_app(config: VllmConfig) -> FastAPI:
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError("top_logprobs must be in [0, 20]", 400, "top_logprobs")
-        prompt_ids = _chat_prompt_ids(engine, body.messages, body.add_generation_prompt, body.chat_template)
+        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, engine, body.messages, body.add_generation_prompt,
+                                             body.chat_template)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         default_max = max(1, engine.model_info.max_model_len - len(prompt_ids))
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max)
         prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
         engine.input_processor.process("validate", prompt, params)
+        engine.input_processor.check_context_length(len(prompt_ids), params)
         request_id, created = random_id("chatcmpl"), now()
         header = {"id": request_id, "object": "chat.completion", "created": created, "model": model_name}
 
@@ -381,8 +450,8 @@ def build_app(config: VllmConfig) -> FastAPI:
                             "logprobs": chat_logprobs(c, start), "finish_reason": c.finish_reason}], "usage": None})
                 if include_usage and final is not None:
                     yield sse({**chunk_header, "choices": [], "usage": usage([final])})
-            except (APIError, EngineDeadError) as exc:
-                yield sse_error(exc)
+            except Exception as exc:  # every failure after the 200 header ends the stream with an error event
+                yield sse_error(exc, request_id)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -418,11 +487,43 @@ def _chat_prompt_ids(engine, messages, add_generation_prompt: bool, chat_templat
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def run_server(config: VllmConfig) -> None:
-    """Serve until interrupted (uvicorn)."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else starts (OSError when the address is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(config: VllmConfig) -> int:
+    """Serve until SIGINT / SIGTERM (uvicorn); the exit status: 0, or 1 when the server could not start."""
     import uvicorn
 
+    host, port = config.server.host, config.server.port
+    try:
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        print(f"engine serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     app = build_app(config)
-    logger.info("starting the API server on http://%s:%d (engine loading)", config.server.host, config.server.port)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    grace = config.server.shutdown_grace_period
+
+    class EngineServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.begin_drain(max(0.0, grace - 1.0))  # streams end with an error event before the cut
+            super().handle_exit(sig, frame)
+
+    server = EngineServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
+    app.state.server = server
+    logger.info("starting the API server on http://%s:%d (engine loading)", host, port)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return app.state.exit_code  # the failure itself was logged in one line ("engine failed to start: ...")

@@ -1,29 +1,69 @@
 """OpenAI request bodies (plus vLLM's sampling extras) and their mapping onto SamplingParams."""
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+# Every integer is bounded where it enters: nothing out of range reaches msgpack, torch or the core.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+MAX_N = 128  # OpenAI's bound on `n`: each sequence is a request of its own in the engine core
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> Optional[str]:
+    """The path of the first string that UTF-8 cannot carry (JSON's \\udcff escapes allow them)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = find_lone_surrogate(key, path) or find_lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}.{index}" if path else str(index))
+            if found:
+                return found
+    return None
+
+
+class _Request(BaseModel):
+    """Base of every request body: no NaN or infinity, no string that is not valid Unicode."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where:
+            raise ValueError(f"{where}: strings must be valid Unicode (lone surrogate escapes are not)")
+        return data
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: Optional[str] = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    seed: Optional[int] = None
+    seed: Optional[Int64] = None
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -32,17 +72,29 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # vLLM's extras
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: Count = 0
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
     bad_words: Optional[list[str]] = None
     cache_salt: Optional[str] = None
+    # vLLM's name: SamplingParams.extra_args, read by third-party logits processors
+    vllm_xargs: Optional[dict[str, Union[str, Int64, float, bool, None, list[Union[str, Int64, float, bool, None]]]]] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit() or int(key) > INT64_MAX:
+                raise ValueError(f"keys must be non-negative token ids, got {key!r}")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"biases must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for {key!r}")
+        return value
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], default_max: int) -> SamplingParams:
         """Map onto SamplingParams; invalid values raise ValueError naming the field."""
@@ -56,13 +108,13 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens if max_tokens is not None else default_max, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words, logprobs=logprobs)
+            bad_words=self.bad_words, logprobs=logprobs, extra_args=self.vllm_xargs)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Optional[Count] = 16
+    logprobs: Optional[Count] = None
     echo: bool = False
     suffix: Optional[str] = None
 
@@ -81,24 +133,24 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Count] = None
+    max_completion_tokens: Optional[Count] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Count] = None
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 def random_id(prefix: str) -> str:

@@ -1,0 +1,79 @@
+"""Process lifetime: every process the engine starts ends with its parent, on every exit path.
+
+A child (engine core, worker) calls ``watch_parent`` first thing, before it loads anything, so a parent
+that dies at any moment (SIGKILL during model loading included) takes the child with it; the child
+removes what it shares with the parent (the IPC folder) on its way out.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+_WATCH_PERIOD_S = 0.2
+_EXIT_GRACE_S = 10.0
+
+
+def watch_parent(parent_pid: int, name: str, cleanup: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Start a daemon thread that ends this process when ``parent_pid`` is no longer its parent.
+
+    It sends SIGTERM to this process (its handler shuts down cleanly: children, sockets, IPC files); a
+    process stuck for longer than a grace period runs ``cleanup`` and is ended with ``os._exit``.
+    """
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_WATCH_PERIOD_S)
+        logger.warning("%s: the parent process %d is gone; shutting down", name, parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_EXIT_GRACE_S)
+        if cleanup is not None:
+            cleanup()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name=f"{name}-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit in the main thread, so ``finally`` blocks run."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def use_thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock is a multiprocessing semaphore, which a killed process leaks (the resource
+    tracker then warns); a child process only needs a thread lock."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def describe_exit(proc) -> str:
+    """'exit code 3' or 'killed by signal SIGKILL' for a multiprocessing Process that ended."""
+    if proc.exitcode is None:
+        proc.join(1.0)  # its sentinel fired, but the exit status is read on join
+    code = proc.exitcode
+    if code is None:
+        return "no exit status yet"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def remove_ipc_dir(path: Optional[str]) -> None:
+    """Remove an ``engine-ipc-*`` folder and its socket files; quiet if already gone."""
+    if path and os.path.basename(path).startswith("engine-ipc-"):
+        shutil.rmtree(path, ignore_errors=True)
