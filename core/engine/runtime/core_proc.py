@@ -26,6 +26,7 @@ class EngineCoreProc(EngineCore):
 
     def __init__(self, vllm_config: VllmConfig, input_address: str, output_address: str):
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 1000)  # unsent messages to a front end that is gone never block exit
         self.output_socket = self.ctx.socket(zmq.PUSH)
         self.output_socket.connect(output_address)
         try:
@@ -110,12 +111,12 @@ class EngineCoreProc(EngineCore):
         """Process entry point: ends with its parent from the first instant (loading included), and
         removes the IPC folder on every exit path."""
         exit_on_sigterm()
-        watch_parent(parent_pid, "engine core", cleanup=lambda: remove_ipc_dir(ipc_dir))
-        use_thread_lock_for_progress_bars()
-        logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                            datefmt="%H:%M:%S")
         core = None
-        try:
+        try:  # everything inside: a SIGTERM at any instant still reaches the finally
+            watch_parent(parent_pid, "engine core", cleanup=lambda: remove_ipc_dir(ipc_dir))
+            use_thread_lock_for_progress_bars()
+            logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                                datefmt="%H:%M:%S")
             core = EngineCoreProc(vllm_config, input_address, output_address)
             core.run_busy_loop()
         except SystemExit:
@@ -125,10 +126,12 @@ class EngineCoreProc(EngineCore):
             if core is not None:
                 core._send_last_words(f"{type(exc).__name__}: {exc}")
         finally:
-            if core is not None:
-                core.shutdown()
-                core.ctx.destroy(linger=1000)
-            remove_ipc_dir(ipc_dir)
+            try:
+                if core is not None:
+                    core.shutdown()
+                    core.ctx.destroy(linger=1000)
+            finally:
+                remove_ipc_dir(ipc_dir)
 
 
 def encode_request(kind: EngineCoreRequestType, payload: Any) -> list[bytes]:
