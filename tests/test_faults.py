@@ -369,7 +369,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(hostile_server):
         time.sleep(0.05)
     sender.join()
     assert len(latencies) >= 3, "the prompt was tokenized too fast to measure anything"
-    assert max(latencies) < 0.75, latencies
+    assert max(latencies) < 1.0, latencies  # tokenized on the event loop, it stalled for 1.6-3.5 s
     assert "context length" in assert_openai_error(result["response"], 400)["message"]
 
 
