@@ -94,11 +94,12 @@ def build_app(config: VllmConfig) -> FastAPI:
     app.state.engine = None
     app.state.load_error = None
     app.state.exit_code = 0
+    app.state.stopping = False  # SIGTERM came: /health and new requests answer 503
     app.state.draining = asyncio.Event()  # set when requests in flight must end: the server is going down
 
     def get_engine():
         engine = app.state.engine
-        if app.state.draining.is_set():
+        if app.state.stopping:
             raise APIError("the server is shutting down", 503)
         if engine is None:
             raise APIError(app.state.load_error or "the model is still loading", 503)
@@ -152,7 +153,7 @@ def build_app(config: VllmConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         engine = app.state.engine
-        if engine is None or engine.errored:
+        if engine is None or engine.errored or app.state.stopping:
             return Response(status_code=503)
         try:
             await asyncio.wait_for(engine.check_health(), timeout=10)
@@ -234,9 +235,10 @@ def build_app(config: VllmConfig) -> FastAPI:
             queue.put_nowait((None, APIError("the server is shutting down", 503)))
 
     def begin_drain(delay: float) -> None:
-        """From the SIGTERM handler: requests in flight get ``delay`` seconds, then ``drain``."""
+        """From the SIGTERM handler: new requests get 503 at once, those in flight ``delay`` seconds more."""
         loop = getattr(app.state, "loop", None)
-        if loop is not None and not app.state.draining.is_set():
+        if loop is not None and not app.state.stopping:
+            app.state.stopping = True
             loop.call_soon_threadsafe(loop.call_later, delay, drain)
 
     app.state.begin_drain = begin_drain
