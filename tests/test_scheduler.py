@@ -119,3 +119,48 @@ def test_abort_frees_blocks_waiting_and_running():
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks and not scheduler.has_unfinished_requests()
     assert set(scheduler.schedule().finished_req_ids) == {"run", "wait"}
+
+
+def test_without_chunked_prefill_a_prompt_larger_than_the_remaining_budget_waits():
+    scheduler = make_scheduler(max_num_batched_tokens=128, enable_chunked_prefill=False)
+    add(scheduler, "a", 7, max_tokens=3, ignore_eos=True)
+    add(scheduler, "c", 7, max_tokens=3, ignore_eos=True)
+    step(scheduler)
+    big = add(scheduler, "big", 127, max_tokens=1)
+    out, _ = step(scheduler)  # a and c decode (2 tokens): 126 left, big needs 127
+    assert out.num_scheduled_tokens == {"a": 1, "c": 1} and big.num_computed_tokens == 0
+    scheduled = []
+    while scheduler.has_unfinished_requests():
+        out, _ = step(scheduler)
+        scheduled.append(out.num_scheduled_tokens.get("big"))
+    assert [n for n in scheduled if n] == [127]  # all at once, never chunked
+
+
+def test_isolated_requests_run_one_per_step_until_each_has_sampled():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    a, b, c = (add(scheduler, rid, 6, max_tokens=4, ignore_eos=True) for rid in "abc")
+    step(scheduler)  # a and b prefill, c is chunked
+    scheduler.isolate(["a", "b", "c"])  # as the engine core does after a failed step
+    assert all(r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0 for r in (a, b, c))
+    seen = []
+    for _ in range(3):
+        out, _ = step(scheduler)
+        seen.append(list(out.num_scheduled_tokens))
+    assert seen == [["a"], ["b"], ["c"]]  # each alone, each prefilled and sampled, then released
+    out, _ = step(scheduler)
+    assert list(out.num_scheduled_tokens) == ["a", "b", "c"] and not scheduler.isolated
+
+
+def test_failed_requests_free_their_blocks_and_leave_isolation():
+    scheduler = make_scheduler()
+    add(scheduler, "bad", 9)
+    add(scheduler, "good", 9, max_tokens=2, ignore_eos=True)
+    step(scheduler)
+    scheduler.isolate(["bad", "good"])
+    outputs = scheduler.fail_requests(["bad", "unknown"], "RuntimeError: boom")
+    assert [(o.request_id, o.finish_reason, o.error) for o in outputs] == [("bad", "error", "RuntimeError: boom")]
+    assert list(scheduler.isolated) == ["good"]
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks and not scheduler.isolated
