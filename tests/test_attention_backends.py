@@ -148,6 +148,7 @@ def test_auto_never_picks_the_interpreter():
     assert get_plugin_manager().select("attention", "auto", ctx).name == ("cpu" if cpu_built else "torch")
 
 
+@pytest.mark.slow  # the real SmolLM2 weights
 def test_smollm2_greedy_with_triton_equals_torch():
     """End to end through the Triton kernels (interpreted here): a short run on the real model."""
     from engine import LLM, SamplingParams

@@ -91,6 +91,7 @@ def test_async_scheduling_gives_the_same_outputs(tiny_llama, inproc_reference, c
     llm.shutdown()
 
 
+@pytest.mark.slow  # the real SmolLM2 weights
 def test_tensor_parallel_2_equals_1_on_smollm2():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
                "List three colors:"]
