@@ -27,7 +27,7 @@ def make_request(rid: str, tokens: list[int], salt=None) -> Request:
 
 
 def test_block_pool_lru_and_ref_counts():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
     assert pool.get_num_free_blocks() == 2 and a.ref_cnt == 1
     pool.touch([a])

@@ -35,12 +35,6 @@ class GroupCoordinator:
         dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
-    def broadcast_object(self, obj=None, src: int = 0):
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
 
 
 _TP_GROUP = GroupCoordinator()

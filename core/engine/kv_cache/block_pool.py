@@ -33,11 +33,6 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
-    requests: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class BlockPool:
@@ -47,9 +42,8 @@ class BlockPool:
     sliding-window group has already freed (no kernel reads it unmasked, nothing writes to it).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False):
+    def __init__(self, num_blocks: int, reserve_null_block: bool = False):
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front first); cached-and-free blocks sit here too.
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)

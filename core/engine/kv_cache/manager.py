@@ -17,8 +17,7 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching,
-                                    reserve_null_block=kv_cache_config.has_sliding_window)
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, reserve_null_block=kv_cache_config.has_sliding_window)
         self.coordinator = coordinator_cls(kv_cache_config, self.block_pool, enable_caching, max_model_len)
         self.enable_caching = self.coordinator.enable_caching
         self.prefix_cache_stats = PrefixCacheStats()
@@ -36,7 +35,6 @@ class KVCacheManager:
             return self.coordinator.empty_blocks(), 0
         max_length = request.num_tokens - 1
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
-        self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_hit_tokens
         return blocks, num_hit_tokens

@@ -65,9 +65,6 @@ class KVCacheConfig:
     def has_sliding_window(self) -> bool:
         return any(isinstance(group.spec, SlidingWindowSpec) for group in self.groups)
 
-    def group_of_layer(self) -> dict[str, int]:
-        return {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
-
     def shared_tensors(self) -> tuple[tuple[str, ...], ...]:
         """Layer names per cache tensor (one layer per tensor when no sharing was planned)."""
         return self.tensors or tuple((name,) for group in self.groups for name in group.layer_names)

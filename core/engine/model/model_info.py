@@ -50,10 +50,6 @@ class ModelInfo:
     tokenizer_path: Optional[str]
 
     @property
-    def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
-
-    @property
     def num_heads(self) -> int:
         return self.hf_config.num_attention_heads
 

@@ -57,10 +57,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -125,9 +125,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
@@ -152,7 +149,7 @@ class Scheduler:
                 continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = self.running.pop()  # the latest arrival goes first
+                victim = self.running.pop()  # the latest admitted goes first
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:

@@ -145,5 +145,3 @@ def weight_loader_of(param: nn.Parameter):
     return getattr(param, "weight_loader", default_weight_loader)
 
 
-def maybe_bias(module: Optional[nn.Module]) -> Optional[torch.Tensor]:
-    return None if module is None else getattr(module, "bias", None)
