@@ -65,6 +65,18 @@ class ModelInfo:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    def check_prompt_token_ids(self, token_ids: list) -> None:
+        """ValueError unless the prompt is 1 to max_model_len - 1 ids, each in [0, vocab_size)."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; the context length is {self.max_model_len} "
+                             "and at least one token must be generated")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+
     @property
     def sliding_window(self) -> Optional[int]:
         return getattr(self.hf_config, "sliding_window", None)

@@ -82,12 +82,8 @@ class EngineCore:
         """The front end validates; the core checks again whatever could break it (any client may send)."""
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        vocab, max_len = self.model_info.vocab_size, self.model_info.max_model_len
-        if not 0 < len(request.prompt_token_ids) < max_len:
-            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens; it must have between 1 and "
-                             f"{max_len - 1}")
-        if not all(0 <= t < vocab for t in request.prompt_token_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        self.model_info.check_prompt_token_ids(request.prompt_token_ids)
+        vocab = self.model_info.vocab_size
         if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab:
             raise ValueError(f"eos_token_id must lie in [0, {vocab})")
         request.sampling_params.validate_for_model(vocab, self.vllm_config.model.max_logprobs)

@@ -63,17 +63,8 @@ class InputProcessor:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        max_len = self.model_info.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; the context length is {max_len} "
-                             "and at least one token must be generated")
-        vocab = self.model_info.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-        params.validate_for_model(vocab, self.max_logprobs)
+        self.model_info.check_prompt_token_ids(token_ids)
+        params.validate_for_model(self.model_info.vocab_size, self.max_logprobs)
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         now, eos = time.monotonic(), self.eos_token_id()

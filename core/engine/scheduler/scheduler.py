@@ -229,7 +229,7 @@ class Scheduler:
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            if token_ids:
+            if token_ids and self.isolated:
                 self.isolated.pop(req_id, None)  # it ran through the sampler alone: not the culprit
             new_token_ids = []
             for token_id in token_ids:
