@@ -119,7 +119,7 @@ def test_which_weights_are_packed(cpu):
 
 def test_a_model_loaded_with_the_cpu_kernels_packs_every_product_and_agrees(tiny_llama):
     from engine.config import ModelConfig
-    from engine.model.layers.gemm import _linear_layers
+    from engine.model.layers.linear import linear_layers
     from engine.model.loader import load_model
     from engine.model.model_info import resolve_model
     from engine_attention_cpu.gemm import CpuPackedLinear
@@ -127,7 +127,7 @@ def test_a_model_loaded_with_the_cpu_kernels_packs_every_product_and_agrees(tiny
 
     info = resolve_model(ModelConfig(model=tiny_llama, dtype="float32"))
     model = load_model(info, torch.device("cpu"), show_progress=False, layer_kernels=CpuLayerKernels())
-    linears = _linear_layers(model)
+    linears = linear_layers(model)
     assert linears and all(isinstance(m.packed, CpuPackedLinear) for m in linears)
     assert isinstance(model.logits_gemm, CpuPackedLinear)
     gen = torch.Generator().manual_seed(8)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.model.layers import gemm
-from engine.model.layers.gemm import linear, widen_gemm_weights
+from engine.model.layers.gemm import widen_gemm_weights
+from engine.model.layers.linear import linear, linear_layers, pack_linear_layers
 
 
 def test_widened_product_is_a_bf16_gemm_with_float32_accumulation():
@@ -65,7 +66,7 @@ def test_packed_linear_layers_match_the_plain_products(tiny_llama):
         pytest.skip("no oneDNN in this torch build")
     model = load_model(resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"),
                        show_progress=False)
-    linears = gemm._linear_layers(model)
+    linears = linear_layers(model)
     assert linears and all(m.packed is not None for m in linears) and model.logits_gemm is not None
     gen = torch.Generator().manual_seed(2)
     for module in linears:
@@ -99,7 +100,7 @@ def test_packed_layers_with_bias_add_it_once(kernels_name):
                                   QKVParallelLinear(32, 8, 4, 2, bias=True), RowParallelLinear(48, 32, bias=True)])
     for param in layers.parameters():
         param.data.normal_(generator=gen)
-    assert gemm.pack_gemm_weights(layers, kernels) == 3
+    assert pack_linear_layers(layers, kernels.pack_linear) == 3
     for module in layers:
         x = torch.randn(5, module.weight.shape[1], generator=gen)
         expected = torch.nn.functional.linear(x, module.weight, module.bias)

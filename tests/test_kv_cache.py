@@ -63,9 +63,9 @@ def test_prefix_hit_shares_blocks_and_counts_stats():
     first.num_computed_tokens = 10
     second = make_request("b", list(range(9)) + [77, 78])
     hits, n = manager.get_computed_blocks(second)
-    assert n == 8 and [b.block_id for b in hits[0]] == manager.get_block_ids("a")[0][:2]
+    assert n == 8 and hits.get_block_ids()[0] == manager.get_block_ids("a")[0][:2]
     manager.allocate_slots(second, 3, hits, n)
-    assert hits[0][0].ref_cnt == 2
+    assert hits.blocks[0][0].ref_cnt == 2
     assert manager.prefix_cache_stats.hits == 8 and manager.prefix_cache_stats.queries == 21
     manager.free(first)
     manager.free(second)
@@ -80,6 +80,19 @@ def test_last_token_is_never_a_hit():
     first = make_request("a", list(range(8)))
     manager.allocate_slots(first, 8)
     assert manager.get_computed_blocks(make_request("b", list(range(8))))[1] == 4
+
+
+def test_a_slot_for_a_token_not_yet_sampled_is_never_cached():
+    """With async scheduling a step may schedule the position of a token still being sampled; the block that
+    slot completes must not enter the prefix cache, since its last token is unknown."""
+    manager = KVCacheManager(kv_config(8), UnitaryKVCacheCoordinator, max_model_len=64, enable_caching=True)
+    request = make_request("a", list(range(7)))  # block 0 full, block 1 holds 3 tokens
+    manager.allocate_slots(request, 7)
+    request.num_computed_tokens = 7
+    manager.allocate_slots(request, 1)  # position 7: the token that the step in flight will sample
+    blocks = manager.coordinator.get_blocks("a")[0]
+    assert blocks[0].block_hash is not None and blocks[1].block_hash is None
+    assert manager.get_computed_blocks(make_request("b", list(range(7)) + [99, 5]))[1] == 4
 
 
 def test_allocation_failure_leaves_pool_untouched():
@@ -156,15 +169,15 @@ def test_hybrid_hit_is_the_longest_length_every_group_serves():
     manager.free(first)
     # same prompt: full attention could serve 6 blocks; sliding needs the last ceil(5/4)=2 blocks before it
     blocks, hit = manager.get_computed_blocks(make_request("b", tokens))
-    assert hit == 24 and len(blocks[0]) == len(blocks[1]) == 6
-    assert blocks[0][:4] == [manager.block_pool.null_block] * 4  # the sliding group skips what it never reads
+    assert hit == 24 and len(blocks.blocks[0]) == len(blocks.blocks[1]) == 6
+    assert blocks.blocks[0][:4] == [manager.block_pool.null_block] * 4  # the sliding group skips what it never reads
     # evict the sliding group's block 5: the hit falls back to the longest length both groups still serve
     pool = manager.block_pool
     evicted = pool.get_cached_block(first.block_hashes[5], group_id=0)
     del pool.cached_block_hash_to_block[evicted.block_hash]
     evicted.block_hash = None
     blocks, hit = manager.get_computed_blocks(make_request("c", tokens))
-    assert hit == 20 and [len(b) for b in blocks] == [5, 5]
+    assert hit == 20 and [len(b) for b in blocks.blocks] == [5, 5]
     second = make_request("d", tokens)
     blocks, hit = manager.get_computed_blocks(second)
     assert manager.allocate_slots(second, 26 - hit, blocks, hit) is not None

@@ -59,6 +59,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert other_seed != alone
 
 
+def test_seeded_requests_keep_their_tokens_through_preemption_and_skipped_steps(llm, tiny_llama):
+    """A tight engine (8 tokens a step, 10 KV blocks) preempts and leaves running requests out of steps, so
+    rows leave and re-enter the runner's persistent batch; seeded requests, with every sampling setting
+    and logits processor in play, give the tokens they give alone in a roomy engine."""
+    prompts = random_prompts(6, (20, 40), seed=11)
+    params = [SamplingParams(temperature=0.9, max_tokens=40, seed=i, ignore_eos=True,
+                             top_k=[0, 20][i % 2], top_p=[1.0, 0.9][i % 3 == 0], min_p=[0.0, 0.05][i % 2],
+                             presence_penalty=0.3 * (i % 3), repetition_penalty=[1.0, 1.2][i % 2],
+                             min_tokens=3, bad_words_token_ids=[[prompts[i][0]]]) for i in range(6)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    tight = LLM(tiny_llama, dtype="float32", max_model_len=128, max_num_batched_tokens=8, num_gpu_blocks_override=10)
+    together = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.get_stats().num_preemptions > 0
+    assert together == alone
+    assert_all_blocks_free(tight)
+
+
 def test_top_k_one_is_greedy(llm):
     prompts = random_prompts(3, (5, 30), seed=7)
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)

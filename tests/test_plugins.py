@@ -35,6 +35,47 @@ def test_plugins_table_lists_every_builtin():
     assert rows[("attention", "torch")]["source"] == "engine (built-in)"
 
 
+def test_each_kind_is_declared_once_and_drives_config_selection_and_listing():
+    """The kind table in hookspecs is what the config fields, the flags, selection and `engine plugins` read."""
+    from engine import hookspecs
+    from engine.config import SECTIONS, flat_key_index
+    from engine.plugins import get_plugin_manager
+
+    ctx = SelectionContext(VllmConfig.load())
+    rows = get_plugin_manager().table(ctx)
+    for kind in hookspecs.KINDS.values():
+        assert hasattr(hookspecs, kind.hook) and getattr(hookspecs, kind.hook).__doc__  # the construction contract
+        assert any(row["kind"] == kind.name for row in rows), kind.name  # every kind is listed, models included
+        if kind.config_key:
+            section, field = kind.config_key.split(".")
+            assert SECTIONS[section].model_fields[field].description == kind.choice_help
+            assert all(flat_key_index()[flag] == kind.config_key for flag in kind.flags)
+            assert VllmConfig.load(**{kind.config_key: "x"}).get_key(kind.config_key) == "x"
+    models = {row["name"]: row for row in rows if row["kind"] == "model"}
+    assert models["LlamaForCausalLM"]["reason"] == "lazy (engine.model.llama:LlamaForCausalLM)"
+
+
+def test_removed_hooks_and_wrong_base_classes_are_reported():
+    import types
+
+    from engine import hookimpl
+
+    class NotASampler:
+        name = "not_a_sampler"
+        priority = 0
+
+    module = types.ModuleType("old_plugin")
+    module.engine_models = hookimpl(lambda: {"OldForCausalLM": object})
+    module.engine_samplers = hookimpl(lambda: [NotASampler])
+    manager = PluginManager(load_entry_points=False)
+    manager._register(module, "old", "engine-old-plugin 1.0", "1.0")
+    rows = {(r["kind"], r["name"]): r for r in manager.table(SelectionContext(VllmConfig.load()))}
+    assert "engine_models ignored" in rows[("(ignored hook)", "old")]["reason"]
+    assert ("model", "OldForCausalLM") not in rows
+    assert rows[("sampler", "not_a_sampler")]["available"] == "no"
+    assert "not a subclass of engine.interfaces.sampler.Sampler" in rows[("sampler", "not_a_sampler")]["reason"]
+
+
 def test_unavailable_implementation_says_why():
     result = run_engine_cli("plugins", "--tensor-parallel-size", "2", "--json")
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)}
@@ -124,6 +165,10 @@ llm = LLM({str(model_dir)!r}, dtype="float32", attention="toy_attention", execut
 params = [SamplingParams(temperature=0, max_tokens=6, extra_args={{"toy_force": 777}}),
           SamplingParams(temperature=0, max_tokens=6)]
 outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params, use_tqdm=False)
+seeded = SamplingParams(temperature=1.0, max_tokens=4, seed=5)
+again = [llm.generate([{{"prompt_token_ids": {prompts[1]!r}}}], seeded, use_tqdm=False)[0].outputs[0].token_ids
+         for _ in range(2)]
+assert again[0] == again[1], again
 print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "calls": dict(CALLS)}}))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=plugin_env,
@@ -136,3 +181,8 @@ print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "calls": di
     assert calls["model"] == 1 and calls["executor"] == 1 and calls["attention_option"] == 7
     assert calls["attention"] > 0 and calls["sampler"] > 0 and calls["coordinator"] > 0
     assert calls["force_rows"] == 6
+    assert calls["generators"] == 8  # the seeded request's 4 steps, twice, through the 1.2 sampler view
+    # contract 1.1 processors and samplers run through adapters, with one deprecation warning naming each
+    for kind, name in [("logits_processor", "toy_force"), ("sampler", "toy_sampler")]:
+        warnings = [line for line in result.stderr.splitlines() if f"{kind} '{name}' from engine-toy-plugin" in line]
+        assert len(warnings) == 1 and "contract 1.1" in warnings[0], result.stderr

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine.config import VllmConfig
-from engine.interfaces.logits_processor import LogitsRequestView
+from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.sampler import SamplingMetadata
 from engine.sample.builtin_logits_processors import MinPLogitsProcessor
 from engine.sample.default_sampler import DefaultSampler
@@ -18,13 +18,20 @@ ROWS = 20000
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
 
-def sample(temperature=1.0, top_k=None, top_p=None, rows=ROWS, generators=None):
+def sample(temperature=1.0, top_k=None, top_p=None, rows=ROWS, seeds=None, output_index=0):
+    """``seeds``: {row: seed} for the seeded rows."""
     logits = LOGITS.repeat(rows, 1)
+    seeded = torch.zeros(rows, dtype=torch.bool)
+    seed_column = torch.zeros(rows, dtype=torch.int64)
+    for row, seed in (seeds or {}).items():
+        seeded[row], seed_column[row] = True, seed
     metadata = SamplingMetadata(
         temperature=torch.full((rows,), temperature),
         top_k=None if top_k is None else torch.full((rows,), top_k),
         top_p=None if top_p is None else torch.full((rows,), top_p),
-        generators=generators or {}, all_greedy=temperature == 0, all_random=temperature > 0)
+        all_greedy=temperature == 0, all_random=temperature > 0,
+        seeds=seed_column if seeds else None, seeded=seeded if seeds else None,
+        output_index=torch.full((rows,), output_index) if seeds else None)
     return DefaultSampler(VllmConfig.load())(logits, metadata).sampled_token_ids
 
 
@@ -68,9 +75,9 @@ def test_top_p_only_the_nucleus_appears(p):
 def test_min_p_drops_unlikely_tokens_at_the_request_temperature(min_p, temperature):
     params = SamplingParams(temperature=temperature, min_p=min_p)
     logits = LOGITS.repeat(ROWS, 1)
-    view = LogitsRequestView(params, [1], [], None)
-    MinPLogitsProcessor(VllmConfig.load()).apply(logits, torch.arange(ROWS), [view] * ROWS)
-    metadata = SamplingMetadata(torch.full((ROWS,), temperature), None, None, {}, False, True)
+    batch = LogitsBatch.from_requests([params] * ROWS, [[1]] * ROWS, [[]] * ROWS)
+    MinPLogitsProcessor(VllmConfig.load()).apply(logits, batch)
+    metadata = SamplingMetadata(torch.full((ROWS,), temperature), None, None, False, True)
     seen = set(DefaultSampler(VllmConfig.load())(logits, metadata).sampled_token_ids.tolist())
     probs = torch.softmax(LOGITS / temperature, dim=0)
     allowed = {i for i, p in enumerate(probs.tolist()) if p >= min_p * probs.max().item() - 1e-9}
@@ -78,10 +85,48 @@ def test_min_p_drops_unlikely_tokens_at_the_request_temperature(min_p, temperatu
 
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
-    def with_seed(rows, row):
-        generator = torch.Generator().manual_seed(42)
-        return sample(1.0, rows=rows, generators={row: generator})[row].item()
+    def with_seed(rows, row, seed=42, output_index=3):
+        return sample(1.0, rows=rows, seeds={row: seed}, output_index=output_index)[row].item()
 
     draws = {with_seed(1, 0), with_seed(16, 5), with_seed(64, 63)}
     assert len(draws) == 1
     assert math.isfinite(draws.pop())
+    # and the draws do vary with the seed and with the step: the rows are not all given one number
+    assert len({with_seed(1, 0, seed=s) for s in range(40)}) > 3
+    assert len({with_seed(1, 0, output_index=i) for i in range(40)}) > 3
+
+
+def test_seeded_draws_follow_the_distribution():
+    """Seeded rows (one seed per row) sample the tempered distribution as unseeded ones do."""
+    counts = torch.bincount(sample(1.0, seeds={row: row * 7919 for row in range(ROWS)}), minlength=len(LOGITS))
+    expected = torch.softmax(LOGITS.double(), dim=0) * ROWS
+    assert (expected > 5).all()
+    assert chisquare(counts.double().numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_penalties_touch_only_seen_tokens_and_equal_the_dense_formula():
+    """The sparse penalties (only the tokens a row has seen) give bit for bit what the formula gives on the
+    whole [rows, vocab] matrix, for mixed rows, and leave the rows that did not ask untouched."""
+    from engine.sample.builtin_logits_processors import PenaltiesLogitsProcessor
+
+    gen = torch.Generator().manual_seed(5)
+    vocab, n = 300, 12
+    params = [SamplingParams(presence_penalty=0.5 * (i % 3), frequency_penalty=0.3 * (i % 2) - 0.1,
+                             repetition_penalty=[1.0, 1.3, 0.8][i % 3] if i % 4 else 1.2) for i in range(n)]
+    prompts = [torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(n)]
+    outputs = [torch.randint(0, 50, (int(torch.randint(0, 30, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(n)]
+    batch = LogitsBatch.from_requests(params, prompts, outputs)
+    batch.rows = torch.randperm(n + 3, generator=gen)[:n]  # rows spread over a larger logits matrix
+    logits = torch.randn(n + 3, vocab, generator=gen)
+    expected = logits.clone()
+    for i, (p, prompt, output) in enumerate(zip(params, prompts, outputs)):
+        row = int(batch.rows[i])
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=vocab).float()
+        seen = (torch.bincount(torch.tensor(prompt), minlength=vocab) > 0) | (counts > 0)
+        x = expected[row]
+        x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+        expected[row] = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    PenaltiesLogitsProcessor(VllmConfig.load()).apply(logits, batch)
+    assert torch.equal(logits, expected)

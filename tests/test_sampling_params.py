@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.errors import InvalidParameterError
 from tests.helpers import assert_all_blocks_free, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(4, (8, 40), seed=21)
@@ -175,8 +176,9 @@ def test_seeded_request_alone_and_in_a_batch_of_16(llm):
     ({"prompt_logprobs": 50}, "prompt_logprobs"),
 ])
 def test_model_dependent_validation(llm, kwargs, field):
-    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+    with pytest.raises(InvalidParameterError, match=f"SamplingParams.{field}") as info:
         generate(llm, PROMPTS[:1], **kwargs)
+    assert info.value.param == field
     assert_all_blocks_free(llm)
 
 
@@ -188,5 +190,6 @@ def test_model_dependent_validation(llm, kwargs, field):
     ({"logit_bias": {"a": 1}}, "logit_bias"),
 ])
 def test_field_validation(kwargs, field):
-    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+    with pytest.raises(InvalidParameterError, match=f"SamplingParams.{field}") as info:
         SamplingParams(**kwargs)
+    assert info.value.param == field and info.value.code == 400  # the server answers with these, unparsed

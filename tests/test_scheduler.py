@@ -83,6 +83,21 @@ def test_preemption_by_recompute_and_resume():
     assert pool.get_num_free_blocks() == pool.num_blocks
 
 
+def test_async_scheduling_stops_scheduling_at_max_tokens_counting_steps_in_flight():
+    """A request whose steps in flight will already produce its last token is not scheduled again."""
+    scheduler = make_scheduler(async_scheduling=True)
+    add(scheduler, "a", 5, max_tokens=2, ignore_eos=True)
+    first = scheduler.schedule()  # the prompt: samples token 1 (in flight)
+    second = scheduler.schedule()  # token 2, before token 1 is known
+    third = scheduler.schedule()  # nothing: the two steps in flight produce both tokens
+    assert first.num_scheduled_tokens == {"a": 5} and second.num_scheduled_tokens == {"a": 1}
+    assert third.num_scheduled_tokens == {}
+    for out in (first, second, third):
+        scheduler.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens),
+                                                            [[7]] * len(out.num_scheduled_tokens)))
+    assert not scheduler.has_unfinished_requests()
+
+
 def test_stop_rules():
     scheduler = make_scheduler()
     eos = add(scheduler, "eos", 3, max_tokens=10)
@@ -146,6 +161,8 @@ def test_isolated_requests_run_one_per_step_until_each_has_sampled():
     for _ in range(3):
         out, _ = step(scheduler)
         seen.append(list(out.num_scheduled_tokens))
+        if len(seen) == 1:  # the workers are told to drop what they hold of the rolled-back requests
+            assert set(out.finished_req_ids) == {"a", "b", "c"}
     assert seen == [["a"], ["b"], ["c"]]  # each alone, each prefilled and sampled, then released
     out, _ = step(scheduler)
     assert list(out.num_scheduled_tokens) == ["a", "b", "c"] and not scheduler.isolated

@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from engine.hookspecs import KINDS
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key and the choices."""
@@ -37,6 +39,12 @@ def parse_bytes(value: Any) -> int:
 
 
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256, 512)
+
+
+def plugin_choice(kind: str) -> Any:
+    """The config field that chooses a plugin of ``kind``: its description comes from the kind's declaration
+    (``engine.hookspecs``), its flat names from the kind's flags."""
+    return Field("auto", description=KINDS[kind].choice_help)
 
 
 class _Section(BaseModel):
@@ -65,7 +73,7 @@ class CacheConfig(_Section):
     kv_cache_memory: Union[str, int] = Field(2 * 1024**3, description="bytes for the KV cache (accepts 2GiB, 512MiB)")
     num_gpu_blocks_override: Optional[int] = Field(None, gt=0, description="number of KV blocks, overriding the memory budget")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
-    kv_cache_coordinator: str = Field("auto", description="KVCacheCoordinator plugin; auto derives it from the model and prefix caching")
+    kv_cache_coordinator: str = plugin_choice("kv_cache_coordinator")
 
     @field_validator("block_size")
     @classmethod
@@ -97,7 +105,7 @@ class ParallelConfig(_Section):
     """Executor and tensor parallelism."""
 
     tensor_parallel_size: int = Field(1, gt=0, description="number of tensor-parallel ranks")
-    executor: str = Field("auto", description="Executor plugin; auto = uniproc for one rank, multiproc otherwise")
+    executor: str = plugin_choice("executor")
     engine_core_process: bool = Field(False, description="run LLM's engine core in its own process over ZMQ "
                                       "(AsyncLLM and the server always do)")
 
@@ -105,14 +113,14 @@ class ParallelConfig(_Section):
 class AttentionConfig(_Section):
     """Attention backend plugin and its own options."""
 
-    backend: str = Field("auto", description="AttentionBackend plugin; auto = first available by priority")
+    backend: str = plugin_choice("attention")
     options: dict[str, Any] = Field(default_factory=dict, description="options passed to the backend")
 
 
 class SamplerConfig(_Section):
     """Sampler plugin."""
 
-    name: str = Field("auto", description="Sampler plugin; auto = highest priority available")
+    name: str = plugin_choice("sampler")
 
 
 class DeviceConfig(_Section):
@@ -120,8 +128,7 @@ class DeviceConfig(_Section):
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when present, else cpu")
     num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
-    layer_kernels: str = Field("auto", description="LayerKernels plugin (fused RMSNorm / SiLU-mul / RoPE, packed GEMMs); "
-                               "auto = highest priority available, native = torch ops")
+    layer_kernels: str = plugin_choice("layer_kernels")
 
 
 class ServerConfig(_Section):
@@ -153,15 +160,10 @@ SECTIONS: dict[str, type[_Section]] = {
     "device": DeviceConfig, "server": ServerConfig,
 }
 
-# Short flat names for plugin choices, as users type them (`--attention flashinfer`).
+# Short flat names, as users type them (`--attention flashinfer`): each plugin kind's flags, and a few more.
 FLAT_ALIASES = {
-    "attention": "attention.backend",
-    "attention_backend": "attention.backend",
+    **{flag: kind.config_key for kind in KINDS.values() if kind.config_key for flag in kind.flags},
     "attention_options": "attention.options",
-    "executor": "parallel.executor",
-    "distributed_executor_backend": "parallel.executor",
-    "sampler": "sampler.name",
-    "layer_kernels": "device.layer_kernels",
 }
 
 _yaml_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("engine_yaml", default=None)
@@ -220,6 +222,11 @@ class VllmConfig(BaseSettings):
             raise ConfigError(describe_validation_error(exc)) from None
         finally:
             _yaml_file.reset(token)
+
+    def get_key(self, dotted: str) -> Any:
+        """The value of a dotted key such as ``attention.backend``."""
+        section, field = dotted.split(".", 1)
+        return getattr(getattr(self, section), field)
 
     def summary(self) -> str:
         """One line per section, for the start-up log."""

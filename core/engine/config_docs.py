@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from engine.config import FLAT_ALIASES, SECTIONS
+from engine.hookspecs import KINDS
 
 
 def render_config_markdown() -> str:
@@ -24,4 +25,13 @@ def render_config_markdown() -> str:
             lines.append(f"| `{section}.{name}` | `{default!r}` | `ENGINE_{section.upper()}__{name.upper()}` | "
                          f"{field.description}.{extra} |")
         lines.append("")
+    lines += ["## Plugin kinds", "",
+              "Declared once each, in `core/engine/hookspecs.py`; docs/plugins.md shows how to write one.", "",
+              "| kind | hook | implementations subclass | chosen by | constructed |", "|---|---|---|---|---|"]
+    for kind in KINDS.values():
+        chosen = f"`{kind.config_key}`" if kind.config_key else (
+            "every available one is active" if kind.returns_classes else "the checkpoint's architecture")
+        lines.append(f"| `{kind.name}` | `{kind.hook}` | `{kind.base.replace(':', '.')}` | {chosen} | "
+                     f"in the {kind.process}: {kind.construction} |")
+    lines.append("")
     return "\n".join(lines)

@@ -1,80 +1,158 @@
 """The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
 
 A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
-contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.2"``; a different major version is
-refused) and implements any of the hooks below with ``@engine.hookimpl``. Each hook returns a list of
-implementation classes; every class carries a unique ``name``, a ``priority`` used by ``auto``, and a
-classmethod ``unavailable_reasons(ctx)`` that says why it cannot run here (empty when it can).
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.3"``; a different major version is
+refused, an older 1.x minor keeps working through adapters) and implements any of the hooks below with
+``@engine.hookimpl``. Each class hook returns a list of implementation classes; every class carries a
+unique ``name``, a ``priority`` used by ``auto``, and a classmethod ``unavailable_reasons(ctx)`` that says
+why it cannot run here (empty when it can).
+
+Each kind is declared once, by the ``@plugin_kind`` on its hookspec: the hook, the base class, the config
+key that chooses an implementation, and how and in which process an implementation is constructed.
+Registration, selection (``engine.plugins``), the config field and its flags (``engine.config``),
+``engine plugins`` and the generated reference (docs/config.md) all read ``KINDS``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import pluggy
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.2"  # 1.1 added register_models, 1.2 engine_layer_kernels
+CONTRACT_VERSION = "1.3"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+# logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
-@hookspec
+@dataclass(frozen=True)
+class PluginKind:
+    """One pluggable kind, declared once."""
+
+    name: str  # as `engine plugins` lists it
+    hook: str  # the hookspec's name
+    base: str  # "module:Class" every implementation subclasses
+    config_key: Optional[str]  # dotted key that chooses one implementation; None: every available one is active
+    flags: tuple[str, ...]  # flat config names / CLI flags for the key, besides the field's own
+    process: str  # where implementations are constructed
+    construction: str  # how the engine constructs and uses an implementation
+    choice_help: str  # the config field's description (what ``auto`` picks)
+    returns_classes: bool = True  # False: the hook fills a registry instead (model families, loaded lazily)
+
+
+KINDS: dict[str, PluginKind] = {}
+
+
+def plugin_kind(name: str, *, base: str, process: str, construction: str, config_key: Optional[str] = None,
+                flags: tuple[str, ...] = (), choice_help: str = "",
+                returns_classes: bool = True) -> Callable[[Callable], Callable]:
+    """Declare the kind whose hookspec this decorates (and mark the function as a hookspec)."""
+    def declare(function: Callable) -> Callable:
+        KINDS[name] = PluginKind(name, function.__name__, base, config_key, flags, process, construction,
+                                 choice_help, returns_classes)
+        return hookspec(function)
+    return declare
+
+
+@plugin_kind("attention", base="engine.interfaces.attention:AttentionBackend", process="worker",
+             config_key="attention.backend", flags=("attention", "attention_backend"),
+             construction="used as a class (static methods); each model layer builds "
+                          "get_impl_cls()(num_heads, head_size, scale, num_kv_heads, ...) and each KV-cache group "
+                          "get_builder_cls()(attention.options, device, block_size, sliding_window)",
+             choice_help="AttentionBackend plugin; auto = first available by priority")
 def engine_attention_backends() -> list[type]:
     """Return AttentionBackend subclasses (``engine.interfaces.attention``).
 
-    Chosen by ``attention.backend``; ``auto`` takes the available one with the highest priority.
+    Chosen by ``attention.backend``; ``auto`` takes the available one with the highest priority. The
+    class itself is the backend: a worker asks it for the KV-cache shape, a metadata builder per KV-cache
+    group (``builder_cls(attention.options, device, block_size, sliding_window)``, ``build`` once per step)
+    and an impl per attention layer (``impl_cls(num_heads, head_size, scale, num_kv_heads, ...)``).
     """
 
 
-@hookspec
+@plugin_kind("executor", base="engine.interfaces.executor:Executor", process="engine core",
+             config_key="parallel.executor", flags=("executor", "distributed_executor_backend"),
+             construction="cls(vllm_config, plugin_choices) once, in the engine-core process; it creates one "
+                          "engine.worker.Worker(vllm_config, plugin_choices, rank, distributed_init_method) per rank",
+             choice_help="Executor plugin; auto = uniproc for one rank, multiproc otherwise")
 def engine_executors() -> list[type]:
     """Return Executor subclasses (``engine.interfaces.executor``).
 
-    Chosen by ``parallel.executor``; ``auto`` takes the available one with the highest priority
-    (uniproc declares itself unavailable for more than one rank).
+    Chosen by ``parallel.executor``; ``auto`` takes the available one with the highest priority (uniproc
+    declares itself unavailable for more than one rank). Constructed once in the engine-core process as
+    ``cls(vllm_config, plugin_choices)``; it creates a ``Worker(vllm_config, plugin_choices, rank,
+    distributed_init_method)`` per rank, calls ``init_device`` then ``load_model`` on each, and answers
+    ``collective_rpc(method, args)`` with one result per rank, rank 0 first.
     """
 
 
-@hookspec
+@plugin_kind("kv_cache_coordinator", base="engine.interfaces.kv_cache:KVCacheCoordinator", process="engine core",
+             config_key="cache.kv_cache_coordinator",
+             construction="cls(kv_cache_config, block_pool, enable_caching, max_model_len) once, by the "
+                          "scheduler's KVCacheManager in the engine-core process",
+             choice_help="KVCacheCoordinator plugin; auto derives it from the model and prefix caching")
 def engine_kv_cache_coordinators() -> list[type]:
     """Return KVCacheCoordinator subclasses (``engine.interfaces.kv_cache``).
 
     Chosen by ``cache.kv_cache_coordinator``; ``auto`` takes the highest-priority available one whose
     ``preferred_for(ctx)`` holds for the model's KV-cache groups and the prefix-caching setting.
+    Constructed once by the scheduler's KVCacheManager, in the engine-core process, as
+    ``cls(kv_cache_config, block_pool, enable_caching, max_model_len)``.
     """
 
 
-@hookspec
+@plugin_kind("sampler", base="engine.interfaces.sampler:Sampler", process="worker", config_key="sampler.name",
+             flags=("sampler",),
+             construction="cls(vllm_config) once per worker; called as sampler(logits, SamplingMetadata) "
+                          "every step that samples",
+             choice_help="Sampler plugin; auto = highest priority available")
 def engine_samplers() -> list[type]:
-    """Return Sampler subclasses (``engine.interfaces.sampler``). Chosen by ``sampler.name``."""
+    """Return Sampler subclasses (``engine.interfaces.sampler``).
+
+    Chosen by ``sampler.name``. Constructed once per worker as ``cls(vllm_config)``; called every step that
+    samples as ``sampler(logits, metadata)`` with ``SamplingMetadata`` tensors (contract 1.3).
+    """
 
 
-@hookspec
+@plugin_kind("logits_processor", base="engine.interfaces.logits_processor:LogitsProcessor", process="worker",
+             construction="cls(vllm_config) once per worker, every available one; requested_by(params) once per "
+                          "request, apply(logits, LogitsBatch) every step on the rows that asked")
 def engine_logits_processors() -> list[type]:
     """Return LogitsProcessor subclasses (``engine.interfaces.logits_processor``).
 
-    All available ones are active; each acts only on the requests whose SamplingParams ask for it.
+    All available ones are active, in priority order; each acts only on the requests whose SamplingParams
+    ask for it. Constructed once per worker as ``cls(vllm_config)``; ``requested_by(params)`` is asked once
+    per request and ``apply(logits, batch)`` runs every step with a ``LogitsBatch`` (contract 1.3).
     """
 
 
-@hookspec
+@plugin_kind("layer_kernels", base="engine.interfaces.layer_kernels:LayerKernels", process="worker",
+             config_key="device.layer_kernels", flags=("layer_kernels",),
+             construction="cls() once per worker, before the weights load; the model layers call its kernels",
+             choice_help="LayerKernels plugin (fused RMSNorm / SiLU-mul / RoPE, packed GEMMs); "
+                         "auto = highest priority available, native = torch ops")
 def engine_layer_kernels() -> list[type]:
     """Return LayerKernels subclasses (``engine.interfaces.layer_kernels``): fused RMSNorm,
-    SiLU-and-multiply and RoPE for the model layers.
+    SiLU-and-multiply and RoPE for the model layers, and packed linear products.
 
-    Chosen by ``device.layer_kernels``; ``auto`` takes the available one with the highest priority
-    (the built-in ``native`` torch ops run everywhere).
+    Chosen by ``device.layer_kernels``; ``auto`` takes the available one with the highest priority (the
+    built-in ``native`` torch ops run everywhere). Constructed once per worker as ``cls()``, before the
+    weights load (``prepare_weights`` and ``pack_linear`` see every weight).
     """
 
 
-@hookspec
+@plugin_kind("model", base="torch.nn:Module", process="worker", returns_classes=False,
+             construction="registered by architecture (config.json's architectures); the worker's loader "
+                          "builds cls(hf_config) and calls load_weights(weights), which returns the loaded names")
 def register_models(registry) -> None:
     """Register model families: ``registry.register_model("Arch", cls_or_"package.module:Class")``.
 
     The architecture is matched on config.json's ``architectures``; a path is imported only when a model
-    of that architecture loads. Plugins register after the built-ins, so they may override one.
+    of that architecture loads. Plugins register after the built-ins, so they may override one. (The
+    contract 1.0 form, ``engine_models`` returning a dict, is gone since 1.3.)
     """
 
 
-@hookspec
-def engine_models() -> dict[str, type]:
-    """Contract 1.0 form of ``register_models``: return ``{architecture name: model class}``."""
+REMOVED_HOOKS = {"engine_models": "removed in contract 1.3; register model families with register_models(registry)"}

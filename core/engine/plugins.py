@@ -11,13 +11,17 @@ import importlib
 import importlib.metadata
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import pluggy
 
 from engine import hookspecs
+from engine.hookspecs import KINDS
 from engine.config import ConfigError
 from engine.interfaces.base import SelectionContext
+
+if TYPE_CHECKING:
+    from engine.model.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -32,24 +36,11 @@ BUILTIN_MODULES = (
 )
 
 
-@dataclass(frozen=True)
-class PluginKind:
-    """One pluggable kind: its hook and the config key that chooses it."""
-
-    name: str
-    hook: str
-    config_key: Optional[str]  # None: every available implementation is active
-
-
-KINDS = {
-    "attention": PluginKind("attention", "engine_attention_backends", "attention.backend"),
-    "executor": PluginKind("executor", "engine_executors", "parallel.executor"),
-    "kv_cache_coordinator": PluginKind("kv_cache_coordinator", "engine_kv_cache_coordinators",
-                                       "cache.kv_cache_coordinator"),
-    "sampler": PluginKind("sampler", "engine_samplers", "sampler.name"),
-    "layer_kernels": PluginKind("layer_kernels", "engine_layer_kernels", "device.layer_kernels"),
-    "logits_processor": PluginKind("logits_processor", "engine_logits_processors", None),
-}
+@functools.lru_cache(maxsize=None)
+def kind_base_class(kind: str) -> type:
+    """The base class that the declaration of ``kind`` names (imported on first use)."""
+    module_name, _, class_name = KINDS[kind].base.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 @dataclass(frozen=True)
@@ -60,8 +51,19 @@ class Implementation:
     name: str
     cls: type
     source: str
+    contract: str = hookspecs.CONTRACT_VERSION  # the contract its plugin declares
+
+    def create(self, *args, **kwargs):
+        """An instance, wrapped in an adapter when its plugin speaks an older 1.x contract of this kind."""
+        from engine.interfaces.legacy import adapt_for_contract
+
+        return adapt_for_contract(self.kind, self.cls(*args, **kwargs), self.name, self.source, self.contract)
 
     def reasons(self, ctx: SelectionContext) -> list[str]:
+        base = kind_base_class(self.kind)
+        if not (isinstance(self.cls, type) and issubclass(self.cls, base)):
+            return [f"{self.cls!r} is not a subclass of {base.__module__}.{base.__qualname__}, as a {self.kind} "
+                    "must be"]
         try:
             return list(self.cls.unavailable_reasons(ctx))
         except Exception as exc:  # a plugin's check must not take the engine down
@@ -88,7 +90,9 @@ class PluginManager:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.sources: dict[str, str] = {}
+        self.contracts: dict[str, str] = {}
         self.refused: list[RefusedPlugin] = []
+        self.ignored_hooks: list[RefusedPlugin] = []  # hooks of a loaded plugin that this contract no longer has
         for module_name in BUILTIN_MODULES:
             self._register(importlib.import_module(module_name), f"builtin:{module_name}", "engine (built-in)")
         if load_entry_points:
@@ -113,14 +117,24 @@ class PluginManager:
                 self.refused.append(RefusedPlugin(ep.name, source, reason))
                 logger.warning("plugin %s (%s) refused: %s", ep.name, source, reason)
                 continue
-            self._register(module, ep.name, source)
+            self._register(module, ep.name, source, str(version))
 
-    def _register(self, module, plugin_name: str, source: str) -> None:
+    def _register(self, module, plugin_name: str, source: str, contract: str = hookspecs.CONTRACT_VERSION) -> None:
+        for hook, why in hookspecs.REMOVED_HOOKS.items():
+            if getattr(getattr(module, hook, None), f"{hookspecs.PROJECT_NAME}_impl", None) is not None:
+                self.ignored_hooks.append(RefusedPlugin(plugin_name, source, f"hook {hook} ignored: {why}"))
+                logger.warning("plugin %s (%s): hook %s ignored: %s", plugin_name, source, hook, why)
         self.pm.register(module, name=plugin_name)
         self.sources[plugin_name] = source
+        self.contracts[plugin_name] = contract
 
     def implementations(self, kind: str) -> dict[str, Implementation]:
-        """Every implementation of ``kind``, by name; a name offered twice is an error."""
+        """Every implementation of ``kind``, by name; a name offered twice is an error. Model families are
+        listed by architecture, with their class or, while it is not imported yet, its import path."""
+        if not KINDS[kind].returns_classes:
+            registry = self.models()
+            return {arch: Implementation(kind, arch, registry.reference(arch), registry.sources[arch])
+                    for arch in registry.architectures()}
         found: dict[str, Implementation] = {}
         hook = getattr(self.pm.hook, KINDS[kind].hook)
         for impl in hook.get_hookimpls():
@@ -130,21 +144,18 @@ class PluginManager:
                 if name in found and found[name].cls is not cls:
                     raise ConfigError(f"{kind} implementation '{name}' is offered by both "
                                       f"{found[name].source} and {source}; uninstall one of them")
-                found[name] = Implementation(kind, name, cls, source)
+                found[name] = Implementation(kind, name, cls, source,
+                                             self.contracts.get(impl.plugin_name, hookspecs.CONTRACT_VERSION))
         return found
 
     def models(self) -> "ModelRegistry":
-        """The model registry filled by every plugin's ``register_models`` (and 1.0 ``engine_models``)."""
+        """The model registry filled by every plugin's ``register_models``."""
         from engine.model.registry import ModelRegistry
 
         registry = ModelRegistry()
         for impl in self.pm.hook.register_models.get_hookimpls():  # built-ins first, plugins after
             registry._current_source = self.sources.get(impl.plugin_name, impl.plugin_name)
             impl.function(registry=registry)
-        for impl in self.pm.hook.engine_models.get_hookimpls():
-            registry._current_source = self.sources.get(impl.plugin_name, impl.plugin_name)
-            for architecture, model_cls in (impl.function() or {}).items():
-                registry.register_model(architecture, model_cls)
         return registry
 
     def select(self, kind: str, requested: str, ctx: SelectionContext) -> Implementation:
@@ -179,15 +190,21 @@ class PluginManager:
     def table(self, ctx: SelectionContext) -> list[dict[str, str]]:
         """Rows for ``engine plugins``: kind, name, source, availability, reason."""
         rows = []
-        for kind in KINDS:
+        for kind, declaration in KINDS.items():
             for name, impl in sorted(self.implementations(kind).items()):
+                if not declaration.returns_classes:  # a model family: registered, imported when it loads
+                    loading = f"lazy ({impl.cls})" if isinstance(impl.cls, str) else "loaded"
+                    rows.append({"kind": kind, "name": name, "source": impl.source, "available": "yes",
+                                 "reason": loading, "priority": ""})
+                    continue
                 reasons = impl.reasons(ctx)
                 rows.append({"kind": kind, "name": name, "source": impl.source,
                              "available": "yes" if not reasons else "no", "reason": "; ".join(reasons),
                              "priority": str(impl.cls.priority)})
-        for refused in self.refused:
-            rows.append({"kind": "(refused)", "name": refused.name, "source": refused.source,
-                         "available": "no", "reason": refused.reason, "priority": ""})
+        for label, entries in (("(refused)", self.refused), ("(ignored hook)", self.ignored_hooks)):
+            for entry in entries:
+                rows.append({"kind": label, "name": entry.name, "source": entry.source,
+                             "available": "no", "reason": entry.reason, "priority": ""})
         return rows
 
 

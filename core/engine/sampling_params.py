@@ -6,7 +6,9 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-_GREEDY_EPS = 1e-5
+from engine.errors import InvalidParameterError
+
+GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # what crosses the engine-core boundary (msgpack) and torch
 
 
@@ -19,7 +21,7 @@ def _is_int64(value: Any) -> bool:
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Generation settings of one request. Invalid values raise ValueError naming the field.
+    """Generation settings of one request. Invalid values raise InvalidParameterError (a ValueError) naming the field.
 
     Penalties follow vLLM: ``presence_penalty`` and ``frequency_penalty`` act on the tokens generated
     so far, ``repetition_penalty`` on prompt and generated tokens (>1 discourages repeats).
@@ -64,11 +66,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             try:
                 self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             except (TypeError, ValueError, OverflowError):
-                raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+                raise InvalidParameterError(f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                                            "logit_bias") from None
         for field in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             if not _is_int64(getattr(self, field)):
-                raise ValueError(f"SamplingParams.{field} must be an integer in [{INT64_MIN}, {INT64_MAX}], "
-                                 f"got {getattr(self, field)!r}")
+                raise InvalidParameterError(f"SamplingParams.{field} must be an integer in [{INT64_MIN}, {INT64_MAX}], "
+                                            f"got {getattr(self, field)!r}", field)
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must be non-negative"),
@@ -103,13 +106,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         ]
         for field, ok, message in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{field} {message}, got {getattr(self, field)!r}")
+                raise InvalidParameterError(f"SamplingParams.{field} {message}, got {getattr(self, field)!r}", field)
         if self.prompt_logprobs is not None:
             self.skip_prefix_cache = True  # every prompt position must be computed to score it
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     def for_child(self, index: int) -> "SamplingParams":
         """The settings of sequence ``index`` of an n>1 request: n=1, and its own seed if seeded."""
@@ -123,11 +126,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                            ("bad_words", [t for seq in self.bad_words_token_ids or [] for t in seq])):
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"SamplingParams.{field} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                raise InvalidParameterError(f"SamplingParams.{field} has token ids outside the vocabulary "
+                                            f"[0, {vocab_size}): {bad[:5]}", field)
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
             if value is not None and value > max_logprobs:
-                raise ValueError(f"SamplingParams.{field}={value} exceeds the server's max_logprobs={max_logprobs}")
+                raise InvalidParameterError(f"SamplingParams.{field}={value} exceeds the server's max_logprobs={max_logprobs}",
+                                            field)
 
 
 def _encodable(text: str) -> bool:

@@ -3,15 +3,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
-import logging
-from typing import Any
 
 from engine.bench.stats import environment, write_json
+from engine.config import ConfigError
+from engine.entrypoints.config_flags import add_config_flags, config_overrides_from_args
+from engine.hookspecs import KINDS
 
-# config keys that take a plugin name: a comma-separated value means one A/B variant per name
-AB_KEYS = {"attention": "attention.backend", "executor": "parallel.executor", "sampler": "sampler.name",
-           "kv_cache_coordinator": "cache.kv_cache_coordinator", "dtype": "model.dtype"}
+# config keys that take a plugin name (and the dtype): a comma-separated value means one A/B variant per name
+AB_KEYS = {**{kind.name: kind.config_key for kind in KINDS.values() if kind.config_key}, "dtype": "model.dtype"}
+
+
+def require_bench_extra(*modules: str) -> None:
+    """ConfigError naming the extra when a module that only `engine bench` uses is not installed."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"engine bench needs {', '.join(missing)}: pip install 'engine[bench]'")
 
 
 def _workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
@@ -23,7 +31,7 @@ def _workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--workload-seed", dest="workload_seed", type=int, default=0)
 
 
-def add_bench_parser(sub, add_config_flags) -> None:
+def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks (JSON + PNG output)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -76,7 +84,6 @@ def add_bench_parser(sub, add_config_flags) -> None:
 
 def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
     """Config overrides shared by all runs, and the A/B variants (label, overrides)."""
-    from engine.entrypoints.cli import config_overrides_from_args
 
     base = config_overrides_from_args(args)
     variants: list[tuple[str, dict]] = [("default", {})]
@@ -103,6 +110,7 @@ def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
 
 
 def cmd_throughput(args) -> int:
+    require_bench_extra(*(["matplotlib"] if args.plot else []))
     from engine.bench.offline import run_throughput_ab, transformers_peer
     from engine.bench.workloads import make_workload
 
@@ -156,8 +164,8 @@ def cmd_throughput(args) -> int:
 
 
 def cmd_latency(args) -> int:
+    require_bench_extra(*(["matplotlib"] if args.plot else []))
     from engine.bench.offline import run_latency
-    from engine.entrypoints.cli import config_overrides_from_args
 
     result = run_latency(config_overrides_from_args(args), args.batch_size, args.input_len, args.output_len,
                          args.iterations, args.warmup)
@@ -173,6 +181,7 @@ def cmd_latency(args) -> int:
 
 
 def cmd_startup(args) -> int:
+    require_bench_extra("httpx")
     from engine.bench.startup import measure_startup
 
     result = measure_startup([a for a in args.serve_args if a != "--"])
@@ -183,6 +192,7 @@ def cmd_startup(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    require_bench_extra("httpx", *(["matplotlib"] if args.plot else []))
     from engine.bench.serve import run_serve_bench
     from engine.bench.workloads import make_workload
 

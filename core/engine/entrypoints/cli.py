@@ -5,78 +5,10 @@ import argparse
 import json
 import logging
 import sys
-import typing
-from typing import Any, Optional
+from typing import Optional
 
-from engine.config import FLAT_ALIASES, SECTIONS, ConfigError, VllmConfig
-
-
-def _flag_type(annotation) -> Any:
-    """The argparse type of a config field: int, float, bool, JSON dict, or str."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return type(args[0])
-    if origin is typing.Union and args:
-        return _flag_type(args[0])
-    if annotation is dict or origin is dict:
-        return json.loads
-    if annotation in (int, float, bool):
-        return annotation
-    return str
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` plus one flag per config key (``--block-size``...) and the short aliases."""
-    parser.add_argument("--config", dest="config_file", help="YAML file with the engine config (nested sections)")
-    seen = set()
-    for section, section_cls in SECTIONS.items():
-        group = parser.add_argument_group(f"{section} config")
-        for name, field in section_cls.model_fields.items():
-            flags = [f"--{name.replace('_', '-')}"] if name not in seen else []
-            flags += [f"--{alias.replace('_', '-')}" for alias, target in FLAT_ALIASES.items()
-                      if target == f"{section}.{name}"]
-            seen.add(name)
-            if not flags:
-                continue
-            kind = _flag_type(field.annotation)
-            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-            common = dict(dest=f"cfg__{section}__{name}", default=None,
-                          help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
-            if kind is bool:
-                group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
-            else:
-                group.add_argument(*flags, type=kind, choices=choices, **common)
-
-
-def _flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The config flags given on the command line, as nested sections."""
-    overrides: dict[str, dict[str, Any]] = {}
-    for key, value in vars(args).items():
-        if key.startswith("cfg__") and value is not None:
-            _, section, name = key.split("__", 2)
-            overrides.setdefault(section, {})[name] = value
-    return overrides
-
-
-def config_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The YAML file's sections with the flags merged over them (for building several configs)."""
-    from engine.config import _YamlSource, _yaml_file
-
-    overrides: dict[str, dict[str, Any]] = {}
-    if getattr(args, "config_file", None):
-        token = _yaml_file.set(args.config_file)
-        try:
-            overrides = _YamlSource(VllmConfig)()
-        finally:
-            _yaml_file.reset(token)
-    for section, values in _flag_overrides(args).items():
-        overrides.setdefault(section, {}).update(values)
-    return overrides
-
-
-def config_from_args(args: argparse.Namespace) -> VllmConfig:
-    return VllmConfig.load(args.config_file, **_flag_overrides(args))
+from engine.config import ConfigError
+from engine.entrypoints.config_flags import add_config_flags, config_from_args
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -178,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from engine.bench.cli import add_bench_parser
 
-    add_bench_parser(sub, add_config_flags)
+    add_bench_parser(sub)
 
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.add_argument("--output", help="write to this file instead of stdout")

@@ -19,12 +19,20 @@ class LayerKernels(Pluggable):
     """Kernels for RMSNorm, SiLU-and-multiply, rotary embeddings and the linear layers' products;
     chosen by ``device.layer_kernels``."""
 
+    def process_weights_after_loading(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        """Prepare the loaded model's weights for these kernels (the loader calls it once, after every weight
+        is loaded). By default every linear product goes through ``pack_linear``; a device's policy (such as
+        keeping 16-bit weights in float32 on CPUs without 16-bit GEMMs) belongs in an override."""
+        from engine.model.layers.linear import pack_linear_layers
+
+        pack_linear_layers(model, self.pack_linear)
+
     def pack_linear(self, weight: torch.Tensor,
                     bias: Optional[torch.Tensor] = None) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """The product ``x @ weight.T + bias`` prepared once, at load, for this device (a weight
         reordered into the layout of a GEMM kernel), as a callable returning x's dtype; or None to
-        keep the plain ``F.linear``. The loader calls it for every linear layer and the LM head after
-        the weights are loaded; the layer keeps its plain weight beside the packed one."""
+        keep the plain ``F.linear``. ``process_weights_after_loading`` calls it for every linear layer
+        and the LM head; the layer keeps its plain weight beside the packed one."""
         return None
 
     @abstractmethod

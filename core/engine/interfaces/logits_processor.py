@@ -2,25 +2,102 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.interfaces.base import Pluggable
+from engine.interfaces.legacy import LogitsRequestView
+
+__all__ = ["LogitsBatch", "LogitsProcessor", "LogitsRequestView"]  # LogitsRequestView: the contract 1.2 view
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+    from engine.worker.input_batch import InputBatch
 
 
-@dataclass
-class LogitsRequestView:
-    """What a logits processor may read about one request."""
+class LogitsBatch:
+    """The rows of one step that asked for a processor, read from the runner's persistent input batch.
 
-    params: "object"  # SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_id: int | None
+    Contract 1.3. ``rows[i]`` is the logits row of request ``req_ids[i]``; every other attribute is
+    indexed by ``i``. Tensors are built on first access, so a processor pays only for what it reads.
+    """
+
+    def __init__(self, rows: torch.Tensor, input_batch: "InputBatch", batch_rows: np.ndarray):
+        self.rows = rows
+        self._batch = input_batch
+        self._batch_rows = batch_rows
+
+    @classmethod
+    def from_requests(cls, params: list["SamplingParams"], prompt_token_ids: list[list[int]],
+                      output_token_ids: list[list[int]], eos_token_id: int | None = None) -> "LogitsBatch":
+        """A batch of the given requests on rows 0..n-1 of the logits, outside any engine (for unit tests)."""
+        from engine.worker.input_batch import CachedRequestState, InputBatch
+
+        longest = max((len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids)), default=0)
+        batch = InputBatch(len(params), longest + 1, [], 0)
+        for i, (p, prompt, output) in enumerate(zip(params, prompt_token_ids, output_token_ids)):
+            batch.add_request(CachedRequestState(f"req-{i}", list(prompt), list(prompt) + list(output), p, [],
+                                                 0, eos_token_id, []))
+        return cls(torch.arange(len(params)), batch, np.arange(len(params)))
+
+    def __len__(self) -> int:
+        return len(self._batch_rows)
+
+    @cached_property
+    def req_ids(self) -> list[str]:
+        return [self._batch.req_ids[r] for r in self._batch_rows]
+
+    @cached_property
+    def params(self) -> list["SamplingParams"]:
+        return [self._batch.params[r] for r in self._batch_rows]
+
+    @cached_property
+    def num_prompt_tokens(self) -> torch.Tensor:
+        """[n] int64."""
+        return torch.from_numpy(self._batch.num_prompt_tokens[self._batch_rows])
+
+    @cached_property
+    def num_tokens(self) -> torch.Tensor:
+        """[n] int64: prompt and output tokens known so far."""
+        return torch.from_numpy(self._batch.num_tokens[self._batch_rows])
+
+    @property
+    def num_output_tokens(self) -> torch.Tensor:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @cached_property
+    def token_ids(self) -> torch.Tensor:
+        """[n, L] int64: each row's prompt then output tokens, zero past ``num_tokens`` (L: the longest)."""
+        width = int(self.num_tokens.max()) if len(self) else 0
+        return torch.from_numpy(self._batch.token_ids[self._batch_rows, :width].astype(np.int64))
+
+    def output_tail(self, i: int, length: int) -> list[int]:
+        """The last ``length`` output tokens of row ``i`` (fewer when it has produced fewer)."""
+        row = self._batch_rows[i]
+        end = int(self._batch.num_tokens[row])
+        start = max(int(self._batch.num_prompt_tokens[row]), end - length)
+        return self._batch.token_ids[row, start:end].tolist()
+
+    @cached_property
+    def eos_token_ids(self) -> torch.Tensor:
+        """[n] int64, -1 where the request has none."""
+        return torch.from_numpy(self._batch.eos_token_id[self._batch_rows])
+
+    def column(self, name: str) -> torch.Tensor:
+        """[n] float32 sampling setting of each row: temperature, top_p, min_p, presence_penalty,
+        frequency_penalty, repetition_penalty (int64: top_k)."""
+        return torch.from_numpy(self._batch.sampling_column(name)[self._batch_rows])
 
 
 class LogitsProcessor(Pluggable):
-    """Changes logits in place for a batch of rows, all belonging to requests that asked for it."""
+    """Changes logits in place for a batch of rows, all belonging to requests that asked for it.
+
+    Constructed once per worker as ``cls(vllm_config)``. ``requested_by`` is asked once per request, when
+    it enters the worker's batch; ``apply`` runs every step that samples any of those requests.
+    """
 
     def __init__(self, vllm_config):
         self.vllm_config = vllm_config
@@ -31,5 +108,5 @@ class LogitsProcessor(Pluggable):
         """Whether a request with these SamplingParams uses this processor."""
 
     @abstractmethod
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor, requests: list[LogitsRequestView]) -> None:
-        """Modify ``logits[rows]`` in place; ``requests[i]`` belongs to ``rows[i]``."""
+    def apply(self, logits: torch.Tensor, batch: LogitsBatch) -> None:
+        """Modify ``logits[batch.rows]`` in place."""

@@ -1,12 +1,22 @@
 """KVCacheManager: the scheduler's view of the paged cache."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
-from engine.kv_cache.block_pool import BlockPool, PrefixCacheStats
+from engine.kv_cache.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
 from engine.kv_cache.spec import KVCacheConfig
 
-KVCacheBlocks = list  # per group: list[list[KVCacheBlock]]
+
+@dataclass
+class KVCacheBlocks:
+    """The blocks the KVCacheManager hands the scheduler: ``blocks[g]`` are the blocks of KV-cache group
+    ``g``. The scheduler reads block ids through ``get_block_ids``, never the block objects."""
+
+    blocks: list[list[KVCacheBlock]]
+
+    def get_block_ids(self) -> list[list[int]]:
+        return [[block.block_id for block in group] for group in self.blocks]
 
 
 class KVCacheManager:
@@ -24,7 +34,16 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        """The share of usable blocks in use (0-1)."""
         return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
 
     def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
         """Cached blocks of the request's longest known prefix, and how many tokens they hold.
@@ -32,18 +51,17 @@ class KVCacheManager:
         The last prompt token is always recomputed: its logits are needed to sample.
         """
         if not self.enable_caching or request.sampling_params.skip_prefix_cache:
-            return self.coordinator.empty_blocks(), 0
+            return KVCacheBlocks(self.coordinator.empty_blocks()), 0
         max_length = request.num_tokens - 1
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        return KVCacheBlocks(blocks), num_hit_tokens
 
     def allocate_slots(self, request, num_new_tokens: int, new_computed_blocks: Optional[KVCacheBlocks] = None,
                        num_new_computed_tokens: int = 0) -> Optional[KVCacheBlocks]:
         """Make room for ``num_new_tokens`` more tokens; None when the pool cannot (caller preempts)."""
-        if new_computed_blocks is None:
-            new_computed_blocks = self.coordinator.empty_blocks()
+        new_computed_blocks = self.coordinator.empty_blocks() if new_computed_blocks is None else new_computed_blocks.blocks
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
@@ -59,7 +77,7 @@ class KVCacheManager:
         if self.enable_caching:
             # Only tokens whose ids are known can be cached (not the slot of a token yet to be sampled).
             self.coordinator.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
-        return new_blocks
+        return KVCacheBlocks(new_blocks)
 
     def free(self, request) -> None:
         self.coordinator.free(request.request_id)
@@ -69,8 +87,9 @@ class KVCacheManager:
         managers = getattr(self.coordinator, "managers", [])  # a third-party coordinator may keep no managers
         return [(m.num_held_blocks, m.peak_held_blocks) for m in managers]
 
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """Every block id of the request, per KV-cache group."""
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id)).get_block_ids()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

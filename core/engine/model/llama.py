@@ -9,8 +9,7 @@ from torch import nn
 from engine.distributed.parallel_state import get_tp_group
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.attention import Attention
-from engine.model.layers.gemm import linear
-from engine.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+from engine.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, linear,
                                         weight_loader_of)
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings

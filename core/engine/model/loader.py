@@ -100,10 +100,7 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     if missing:
         raise ValueError(f"checkpoint {info.path} lacks weights for: {sorted(missing)[:8]}")
     model.eval()
-    from engine.model.layers.gemm import pack_gemm_weights, widen_gemm_weights
-
-    widened = widen_gemm_weights(model, info.dtype, device)
-    pack_gemm_weights(model, layer_kernels, widened)
+    layer_kernels.process_weights_after_loading(model, info.dtype, device)
     logger.info("Loaded %s (%s, %s) in %.1fs: %.1fM parameters on this rank", info.architecture, info.format,
                 str(info.dtype).replace("torch.", ""), time.perf_counter() - start,
                 sum(p.numel() for p in model.parameters()) / 1e6)

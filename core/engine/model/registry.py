@@ -36,6 +36,10 @@ class ModelRegistry:
     def architectures(self) -> list[str]:
         return sorted(self._models)
 
+    def reference(self, architecture: str) -> ModelClassRef:
+        """The class, or its import path while it has not been imported."""
+        return self._models[architecture]
+
     def __contains__(self, architecture: str) -> bool:
         return architecture in self._models
 

@@ -13,7 +13,7 @@ from engine.outputs import RequestOutput
 from engine.runtime.core_client import AsyncMPClient
 from engine.runtime.input_processor import PromptType, build_front_end
 from engine.sampling_params import SamplingParams
-from engine.scheduler.scheduler import SchedulerStats
+from engine.runtime.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from engine.runtime.engine_core import EngineCore
 from engine.runtime.lifetime import describe_exit, remove_ipc_dir
 from engine.runtime.messages import (OUTPUTS_DECODER, READY_CALL_ID, EngineCoreOutputs, EngineCoreRequest,
                                      EngineCoreRequestType, UtilityCall)
-from engine.scheduler.scheduler import SchedulerStats
+from engine.runtime.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600

@@ -14,7 +14,7 @@ from engine.runtime.lifetime import (exit_on_sigterm, remove_ipc_dir, use_thread
                                      watch_parent)
 from engine.runtime.messages import (ENCODER, READY_CALL_ID, REQUEST_DECODERS, EngineCoreOutputs,
                                      EngineCoreRequestType, UtilityCall, UtilityOutput)
-from engine.scheduler.scheduler import EngineCoreOutput
+from engine.runtime.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "check_health"}

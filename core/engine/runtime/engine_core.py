@@ -9,14 +9,15 @@ from typing import Iterable, Optional
 
 from engine.config import VllmConfig
 from engine.errors import EngineDeadError
+from engine.hookspecs import KINDS
 from engine.interfaces.base import SelectionContext
 from engine.kv_cache.spec import make_kv_cache_config
 from engine.model.model_info import ModelInfo, resolve_model
 from engine.plugins import get_plugin_manager
-from engine.runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from engine.runtime.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +26,7 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     """Choose every single-choice plugin before any weight is loaded; ConfigError if one cannot run."""
     plugins = get_plugin_manager()
     ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=len(set(model_info.layer_sliding_windows)))
-    requested = {"attention": vllm_config.attention.backend, "executor": vllm_config.parallel.executor,
-                 "sampler": vllm_config.sampler.name, "layer_kernels": vllm_config.device.layer_kernels,
-                 "kv_cache_coordinator": vllm_config.cache.kv_cache_coordinator}
+    requested = {kind.name: vllm_config.get_key(kind.config_key) for kind in KINDS.values() if kind.config_key}
     chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
     for kind, impl in chosen.items():
         why = "as configured" if requested[kind] != "auto" else "auto: highest-priority available"

@@ -6,6 +6,7 @@ import time
 import msgspec
 from typing import Any, Optional, Union
 
+from engine.errors import InvalidParameterError
 from engine.model.model_info import ModelInfo
 from engine.runtime.messages import EngineCoreRequest
 from engine.sampling_params import SamplingParams
@@ -38,10 +39,10 @@ class InputProcessor:
         generation stops at the context length instead)."""
         max_len = self.model_info.max_model_len
         if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
-            raise ValueError(
+            raise InvalidParameterError(
                 f"SamplingParams.max_tokens too large: this model's maximum context length is {max_len} tokens, "
                 f"and {num_prompt_tokens + params.max_tokens} were requested ({num_prompt_tokens} in the prompt, "
-                f"{params.max_tokens} in the completion); reduce the prompt or max_tokens")
+                f"{params.max_tokens} in the completion); reduce the prompt or max_tokens", "max_tokens")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 cache_salt: Optional[str] = None) -> tuple[Optional[str], list[EngineCoreRequest]]:

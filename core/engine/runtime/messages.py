@@ -1,4 +1,7 @@
-"""Messages across the engine-core boundary, msgspec-encoded (msgpack) when the core is a process."""
+"""Messages across the engine-core boundary, msgspec-encoded (msgpack) when the core is a process.
+
+Nothing here imports torch: the API-server process decodes these without loading the model stack.
+"""
 from __future__ import annotations
 
 import enum
@@ -7,7 +10,40 @@ from typing import Any, Optional
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from engine.scheduler.scheduler import EngineCoreOutput, SchedulerStats
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One position: the chosen token first, then the top-k; rank is the chosen token's (1 = best)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class EngineCoreOutput(msgspec.Struct):
+    """New tokens of one request after a step, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    num_cached_tokens: int = 0
+    new_logprobs: Optional[list[TokenLogprobs]] = None
+    new_prompt_logprobs: Optional[list[TokenLogprobs]] = None
+    error: Optional[str] = None  # with finish_reason "error": why this request failed
+
+
+class SchedulerStats(msgspec.Struct):
+    """Counters for logs, metrics and tests."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
 
 
 class EngineCoreRequest(msgspec.Struct):

@@ -8,7 +8,7 @@ from typing import Optional
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.runtime.detokenizer import IncrementalDetokenizer
 from engine.runtime.messages import EngineCoreOutputs, EngineCoreRequest
-from engine.sample.logprobs import TokenLogprobs
+from engine.runtime.messages import TokenLogprobs
 
 
 class SequenceState:

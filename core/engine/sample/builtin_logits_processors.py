@@ -5,24 +5,26 @@ priority order (highest first) on the raw logits, before temperature, top-k and 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from engine.hookspecs import hookimpl
-from engine.interfaces.logits_processor import LogitsProcessor, LogitsRequestView
+from engine.interfaces.logits_processor import LogitsBatch, LogitsProcessor
 
 
-def _token_matrix(requests: list[LogitsRequestView], attribute: str, vocab: int, device) -> torch.Tensor:
-    """[rows, vocab] counts of the tokens in ``request.<attribute>`` of each row."""
-    sequences = [getattr(r, attribute) for r in requests]
-    counts = torch.zeros(len(requests), vocab, device=device)
-    lengths = torch.tensor([len(s) for s in sequences])
-    if int(lengths.sum()):
-        flat = torch.tensor([t for s in sequences for t in s], device=device)
-        row_index = torch.repeat_interleave(torch.arange(len(requests), device=device), lengths.to(device))
-        counts.index_put_((row_index, flat), torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
-    return counts
+def _seen_tokens(batch: LogitsBatch, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token, times in the output) for every distinct token each row has seen in its prompt or output:
+    sorted (row, token) keys, so the work is the batch's token count, never rows x vocabulary."""
+    token_ids = batch.token_ids.to(device)
+    position = torch.arange(token_ids.shape[1], device=device)
+    num_prompt = batch.num_prompt_tokens.to(device).unsqueeze(1)
+    keys = torch.arange(len(batch), device=device).unsqueeze(1) * vocab + token_ids
+    prompt_keys = keys[position < num_prompt]
+    output_keys = keys[(position >= num_prompt) & (position < batch.num_tokens.to(device).unsqueeze(1))]
+    seen = torch.unique(torch.cat([prompt_keys, output_keys]))
+    output_unique, output_counts = torch.unique(output_keys, return_counts=True)
+    counts = torch.zeros(len(seen), dtype=torch.int64, device=device)
+    counts[torch.searchsorted(seen, output_unique)] = output_counts
+    return seen // vocab, seen % vocab, counts
 
 
 def _ban(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
@@ -41,11 +43,11 @@ class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
     def requested_by(cls, params) -> bool:
         return params.allowed_token_ids is not None
 
-    def apply(self, logits, rows, requests):
-        mask = torch.ones(len(requests), logits.shape[1], dtype=torch.bool, device=logits.device)
-        for i, request in enumerate(requests):
-            mask[i, request.params.allowed_token_ids] = False
-        logits[rows] = logits[rows].masked_fill(mask, float("-inf"))
+    def apply(self, logits, batch):
+        mask = torch.ones(len(batch), logits.shape[1], dtype=torch.bool, device=logits.device)
+        for i, params in enumerate(batch.params):
+            mask[i, params.allowed_token_ids] = False
+        logits[batch.rows] = logits[batch.rows].masked_fill(mask, float("-inf"))
 
 
 class BadWordsLogitsProcessor(LogitsProcessor):
@@ -58,13 +60,14 @@ class BadWordsLogitsProcessor(LogitsProcessor):
     def requested_by(cls, params) -> bool:
         return bool(params.bad_words_token_ids)
 
-    def apply(self, logits, rows, requests):
+    def apply(self, logits, batch):
         pairs = []
-        for row, request in zip(rows.tolist(), requests):
-            output = request.output_token_ids
-            for word in request.params.bad_words_token_ids:
+        for i, (row, params) in enumerate(zip(batch.rows.tolist(), batch.params)):
+            longest = max(len(word) for word in params.bad_words_token_ids) - 1
+            tail = batch.output_tail(i, longest)
+            for word in params.bad_words_token_ids:
                 prefix = word[:-1]
-                if not prefix or output[len(output) - len(prefix):] == prefix:
+                if not prefix or tail[len(tail) - len(prefix):] == prefix:
                     pairs.append((row, word[-1]))
         _ban(logits, pairs)
 
@@ -79,10 +82,10 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
     def requested_by(cls, params) -> bool:
         return bool(params.logit_bias)
 
-    def apply(self, logits, rows, requests):
+    def apply(self, logits, batch):
         row_index, token_index, bias = [], [], []
-        for row, request in zip(rows.tolist(), requests):
-            for token, value in request.params.logit_bias.items():
+        for row, params in zip(batch.rows.tolist(), batch.params):
+            for token, value in params.logit_bias.items():
                 row_index.append(row)
                 token_index.append(token)
                 bias.append(value)
@@ -100,20 +103,25 @@ class MinTokensLogitsProcessor(LogitsProcessor):
     def requested_by(cls, params) -> bool:
         return params.min_tokens > 0
 
-    def apply(self, logits, rows, requests):
+    def apply(self, logits, batch):
         pairs = []
-        for row, request in zip(rows.tolist(), requests):
-            if len(request.output_token_ids) >= request.params.min_tokens:
+        produced, eos = batch.num_output_tokens.tolist(), batch.eos_token_ids.tolist()
+        for row, params, num_output, eos_token_id in zip(batch.rows.tolist(), batch.params, produced, eos):
+            if num_output >= params.min_tokens:
                 continue
-            stops = set(request.params.stop_token_ids)
-            if request.eos_token_id is not None and not request.params.ignore_eos:
-                stops.add(request.eos_token_id)
+            stops = set(params.stop_token_ids)
+            if eos_token_id >= 0 and not params.ignore_eos:
+                stops.add(eos_token_id)
             pairs += [(row, token) for token in sorted(stops)]
         _ban(logits, pairs)
 
 
 class PenaltiesLogitsProcessor(LogitsProcessor):
-    """presence, frequency (generated tokens) and repetition (prompt and generated) penalties."""
+    """presence, frequency (generated tokens) and repetition (prompt and generated) penalties.
+
+    Only the (row, token) pairs a row has seen change, so only those are gathered, penalised and written
+    back: the same float operations as on the whole [rows, vocab] matrix, at the cost of the seen tokens.
+    """
 
     name = "penalties"
     priority = 60
@@ -122,17 +130,16 @@ class PenaltiesLogitsProcessor(LogitsProcessor):
     def requested_by(cls, params) -> bool:
         return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
-    def apply(self, logits, rows, requests):
-        vocab, device = logits.shape[1], logits.device
-        output_counts = _token_matrix(requests, "output_token_ids", vocab, device)
-        seen = (_token_matrix(requests, "prompt_token_ids", vocab, device) > 0) | (output_counts > 0)
-        column = lambda name: torch.tensor([getattr(r.params, name) for r in requests], dtype=logits.dtype,
-                                           device=device).unsqueeze(1)
+    def apply(self, logits, batch):
+        row, token, counts = _seen_tokens(batch, logits.shape[1], logits.device)
+        column = lambda name: batch.column(name).to(logits.device, logits.dtype)[row]
+        rows = batch.rows.to(logits.device)[row]
+        values = logits[rows, token]
         repetition = column("repetition_penalty")
-        sub = logits[rows]
-        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        sub = sub - column("frequency_penalty") * output_counts - column("presence_penalty") * (output_counts > 0)
-        logits[rows] = sub
+        values = torch.where(values > 0, values / repetition, values * repetition)
+        counts = counts.to(logits.dtype)
+        values = values - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+        logits[rows, token] = values
 
 
 class MinPLogitsProcessor(LogitsProcessor):
@@ -148,12 +155,11 @@ class MinPLogitsProcessor(LogitsProcessor):
     def requested_by(cls, params) -> bool:
         return params.min_p > 0 and not params.greedy
 
-    def apply(self, logits, rows, requests):
-        cut = torch.tensor([r.params.temperature * math.log(r.params.min_p) for r in requests],
-                           dtype=logits.dtype, device=logits.device)
-        sub = logits[rows]
+    def apply(self, logits, batch):
+        cut = (batch.column("temperature").double() * batch.column("min_p").double().log()).to(logits.device, logits.dtype)
+        sub = logits[batch.rows]
         threshold = sub.max(dim=-1, keepdim=True).values + cut.unsqueeze(1)
-        logits[rows] = sub.masked_fill(sub < threshold, float("-inf"))
+        logits[batch.rows] = sub.masked_fill(sub < threshold, float("-inf"))
 
 
 @hookimpl

@@ -1,16 +1,9 @@
 """Logprobs of sampled (or prompt) tokens, their ranks and the top-k, from raw logits."""
 from __future__ import annotations
 
-import msgspec
 import torch
 
-
-class TokenLogprobs(msgspec.Struct, array_like=True):
-    """One position: the chosen token first, then the top-k; rank is the chosen token's (1 = best)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
+from engine.runtime.messages import TokenLogprobs
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:

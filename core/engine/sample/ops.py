@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -25,19 +26,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform draw per row, found in the row's cumulative distribution.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def seeded_uniform(seeds: np.ndarray, counters: np.ndarray, num_draws: int = 1) -> np.ndarray:
+    """[N, num_draws] float64 in [0, 1), a pure function of (seed, counter, draw): counter-based, so a seeded
+    request's numbers depend on nothing else in the batch and need no generator state to survive preemption."""
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.asarray(seeds, dtype=np.int64).view(np.uint64))
+        stream = _splitmix64(key ^ np.asarray(counters, dtype=np.uint64))
+        bits = _splitmix64(stream[:, None] + np.arange(num_draws, dtype=np.uint64) * _GOLDEN)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def random_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i takes the token where its cumulative distribution passes ``uniform[i]``.
 
     The cumulative sum runs in float64 so that the tail of a 50k-token vocabulary keeps its mass, and
-    a token of probability zero is never chosen (its CDF step is flat). Rows with their own generator
-    draw only from it, so a seeded request gets the same token whatever else shares its batch.
+    a token of probability zero is never chosen (its CDF step is flat).
     """
-    rows = probs.shape[0]
-    uniform = torch.empty(rows, 1, dtype=torch.float64, device=probs.device)
-    if len(generators) < rows:
-        uniform.uniform_()
-    for row, generator in generators.items():
-        uniform[row].uniform_(generator=generator)
     cdf = probs.double().cumsum_(dim=-1)
-    target = uniform * cdf[:, -1:]
+    target = uniform.reshape(-1, 1).to(cdf.device, torch.float64) * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

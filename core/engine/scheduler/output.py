@@ -5,7 +5,7 @@ from typing import Optional
 
 import msgspec
 
-from engine.sample.logprobs import TokenLogprobs
+from engine.runtime.messages import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 

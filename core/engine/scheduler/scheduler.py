@@ -5,42 +5,14 @@ import logging
 from collections import deque
 from typing import Iterable, Optional
 
-import msgspec
-
 from engine.config import VllmConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.spec import KVCacheConfig
+from engine.runtime.messages import EngineCoreOutput, SchedulerStats
 from engine.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from engine.sample.logprobs import TokenLogprobs
 from engine.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-class EngineCoreOutput(msgspec.Struct):
-    """New tokens of one request after a step, and whether it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[int | str] = None
-    num_cached_tokens: int = 0
-    new_logprobs: Optional[list[TokenLogprobs]] = None
-    new_prompt_logprobs: Optional[list[TokenLogprobs]] = None
-    error: Optional[str] = None  # with finish_reason "error": why this request failed
-
-
-class SchedulerStats(msgspec.Struct):
-    """Counters for logs, metrics and tests."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class Scheduler:
@@ -104,6 +76,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
                 self._preempt(request)
+                self.finished_req_ids.add(request_id)  # the workers drop its state until it is rescheduled
             self.isolated[request_id] = None
 
     def _isolated_target(self) -> Optional[str]:
@@ -159,7 +132,7 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             token_budget -= num_new
-            cached_reqs.append(CachedRequestData(request.request_id, [[b.block_id for b in g] for g in new_blocks],
+            cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
                                                  request.num_computed_tokens))
             req_index += 1
 
@@ -187,7 +160,7 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
-                    block_ids=[list(ids) for ids in self.kv_cache_manager.get_block_ids(request.request_id)],
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit, eos_token_id=request.eos_token_id))
 
         output = SchedulerOutput(
@@ -266,7 +239,7 @@ class Scheduler:
         return False
 
     def make_stats(self) -> SchedulerStats:
-        pool = self.kv_cache_manager.block_pool
-        stats = self.kv_cache_manager.prefix_cache_stats
-        return SchedulerStats(len(self.running), len(self.waiting), pool.get_usage(), pool.get_num_free_blocks(),
-                              pool.num_usable_blocks, stats.queries, stats.hits, self.num_preemptions)
+        manager = self.kv_cache_manager
+        stats = manager.prefix_cache_stats
+        return SchedulerStats(len(self.running), len(self.waiting), manager.usage, manager.num_free_blocks,
+                              manager.num_total_blocks, stats.queries, stats.hits, self.num_preemptions)

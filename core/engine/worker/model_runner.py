@@ -1,10 +1,9 @@
-"""ModelRunner: keeps the workers' copy of each running request, builds the step's input tensors and
-attention metadata, runs the model, and samples only at the positions that produce a token."""
+"""ModelRunner: keeps the workers' copy of each running request in a persistent input batch, builds the
+step's input tensors and attention metadata from it, runs the model, and samples only at the positions
+that produce a token."""
 from __future__ import annotations
 
-import hashlib
 import logging
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -15,44 +14,18 @@ from engine.distributed.parallel_state import get_tp_group
 from engine.forward_context import set_forward_context
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.layer_kernels import LayerKernels
-from engine.interfaces.logits_processor import LogitsRequestView
+from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.sampler import SamplingMetadata
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from engine.model.layers.attention import Attention
 from engine.model.loader import load_model
 from engine.model.model_info import ModelInfo
 from engine.sample.logprobs import TokenLogprobs, gather_logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GREEDY_EPS
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CachedRequestState:
-    """What the worker remembers of a request between steps."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # prompt followed by outputs
-    sampling_params: SamplingParams
-    block_ids: list[list[int]]
-    num_computed_tokens: int
-    eos_token_id: Optional[int]
-    block_id_arrays: list[np.ndarray] = field(default_factory=list)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
-
-    def refresh_block_arrays(self) -> None:
-        self.block_id_arrays = [np.asarray(ids, dtype=np.int64) for ids in self.block_ids]
-
-
-def step_generator(seed: int, output_index: int, device: torch.device) -> torch.Generator:
-    """A generator for one sampling step of a seeded request: independent of batch and preemption."""
-    digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
 class ModelRunner:
@@ -70,6 +43,7 @@ class ModelRunner:
         self.layer_kernels = layer_kernels
         self.block_size = vllm_config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch: Optional[InputBatch] = None
         self.model = None
         self.attention_layers: dict[str, Attention] = {}
         self.builders: list = []
@@ -110,97 +84,115 @@ class ModelRunner:
             self.builders.append(self.attention_backend.get_builder_cls()(
                 self.vllm_config.attention.options, self.device, group.spec.block_size,
                 getattr(group.spec, "sliding_window", None)))
+        self.input_batch = InputBatch(self.vllm_config.scheduler.max_num_seqs, self.model_info.max_model_len,
+                                      [group.spec.block_size for group in kv_cache_config.groups],
+                                      len(self.logits_processors))
+
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to the persistent batch: O(requests that changed) row writes."""
+        batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in batch.req_id_to_index.keys() - scheduled.keys():  # running, but not in this step
+            batch.remove_request(req_id, self.requests[req_id])
         for new in scheduler_output.scheduled_new_reqs:
+            batch.remove_request(new.req_id)  # a new-request record replaces whatever this worker held
+            params = new.sampling_params
             state = CachedRequestState(new.req_id, new.prompt_token_ids,
-                                       list(new.prompt_token_ids) + list(new.output_token_ids),
-                                       new.sampling_params, [list(ids) for ids in new.block_ids],
-                                       new.num_computed_tokens, new.eos_token_id)
-            state.refresh_block_arrays()
+                                       list(new.prompt_token_ids) + list(new.output_token_ids), params,
+                                       [list(ids) for ids in new.block_ids], new.num_computed_tokens,
+                                       new.eos_token_id, [p.requested_by(params) for p in self.logits_processors])
             self.requests[new.req_id] = state
+            batch.add_request(state)
         for cached in scheduler_output.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.num_computed_tokens = cached.num_computed_tokens
-            if any(cached.new_block_ids):
+            row = batch.req_id_to_index.get(cached.req_id)
+            if row is None:  # back in the batch after a step without it
+                state = self.requests[cached.req_id]
                 for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
                     ids.extend(new_ids)
-                state.refresh_block_arrays()
+                state.num_computed_tokens = cached.num_computed_tokens
+                batch.add_request(state)
+                continue
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if any(cached.new_block_ids):
+                batch.append_block_ids(row, cached.new_block_ids)
+        batch.condense()
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        num_scheduled = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64,
-                                    count=len(req_ids))
-        states = [self.requests[req_id] for req_id in req_ids]
-        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        req_ids = batch.req_ids[:num_reqs]
+        num_scheduled = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids),
+                                    dtype=np.int64, count=num_reqs)
+        computed = batch.num_computed_tokens[:num_reqs]
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         seq_lens = computed + num_scheduled
         total = int(query_start_loc[-1])
-        # positions of every scheduled token, vectorised over the batch
+        token_rows = np.repeat(np.arange(num_reqs), num_scheduled)
         positions = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1] - computed, num_scheduled)
-        input_ids = np.concatenate([s.token_ids[c:c + n] for s, c, n in zip(states, computed, num_scheduled)])
-        sampling_rows = np.nonzero(seq_lens == np.fromiter((len(s.token_ids) for s in states), dtype=np.int64,
-                                                           count=len(states)))[0]
+        input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
+        sampling_rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
+        common_tensors = dict(query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+                              seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+                              num_computed_tokens=torch.from_numpy(computed.astype(np.int32)))
         metadata = []
-        for group_id, builder in enumerate(self.builders):
-            blocks = [s.block_id_arrays[group_id] for s in states]
-            max_blocks = max(len(b) for b in blocks)
-            block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
-            for row, ids in enumerate(blocks):
-                block_table[row, :len(ids)] = ids
-            token_rows = np.repeat(np.arange(len(states)), num_scheduled)
-            slot_mapping = (block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
-                            + positions % self.block_size)
+        for builder, table in zip(self.builders, batch.block_tables):
             common = CommonAttentionMetadata(
-                query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-                num_computed_tokens=torch.from_numpy(computed.astype(np.int32)),
-                block_table=torch.from_numpy(block_table), slot_mapping=torch.from_numpy(slot_mapping),
+                **common_tensors, block_table=torch.from_numpy(table.table(num_reqs)),
+                slot_mapping=torch.from_numpy(table.slot_mapping(token_rows, positions)),
                 max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
-                query_start_loc_np=query_start_loc, seq_lens_np=seq_lens, num_computed_tokens_np=computed)
+                query_start_loc_np=query_start_loc, seq_lens_np=seq_lens, num_computed_tokens_np=computed.copy())
             metadata.append(builder.build(common))
         logits_indices = torch.from_numpy(query_start_loc[1:][sampling_rows] - 1)
-        return (req_ids, states, torch.from_numpy(input_ids).to(self.device),
+        return (req_ids, num_scheduled, torch.from_numpy(input_ids).to(self.device),
                 torch.from_numpy(positions).to(self.device), metadata, sampling_rows, logits_indices)
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params]) if any(p.top_k > 0 for p in params) else None
-        top_p = (torch.tensor([p.top_p for p in params], dtype=torch.float32)
-                 if any(p.top_p < 1 for p in params) else None)
-        generators = {row: step_generator(p.seed, len(s.output_token_ids), self.device)
-                      for row, (p, s) in enumerate(zip(params, states)) if p.seed is not None and not p.greedy}
-        greedy = [p.greedy for p in params]
-        return SamplingMetadata(temperature, top_k, top_p, generators, all(greedy), not any(greedy))
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampling rows' settings, sliced from the batch's persistent arrays."""
+        batch = self.input_batch
+        column = lambda name: batch.sampling_column(name)[rows]
+        temperature = column("temperature")
+        top_k, top_p = column("top_k"), column("top_p")
+        greedy = temperature < GREEDY_EPS
+        seeded = batch.seeded[rows]
+        any_seeded = bool(seeded.any())
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature),
+            top_k=torch.from_numpy(top_k) if (top_k > 0).any() else None,
+            top_p=torch.from_numpy(top_p) if (top_p < 1).any() else None,
+            all_greedy=bool(greedy.all()), all_random=not greedy.any(),
+            req_ids=[batch.req_ids[r] for r in rows],
+            seeds=torch.from_numpy(batch.seeds[rows]) if any_seeded else None,
+            seeded=torch.from_numpy(seeded) if any_seeded else None,
+            output_index=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]) if any_seeded else None)
 
-    def _apply_logits_processors(self, logits: torch.Tensor, states: list[CachedRequestState]) -> None:
-        for processor in self.logits_processors:
-            rows = [row for row, s in enumerate(states) if processor.requested_by(s.sampling_params)]
-            if rows:
-                views = [LogitsRequestView(states[r].sampling_params, states[r].prompt_token_ids,
-                                           states[r].output_token_ids, states[r].eos_token_id) for r in rows]
-                processor.apply(logits, torch.tensor(rows), views)
+    def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+        for processor, uses in zip(self.logits_processors, self.input_batch.uses_processor):
+            asked = np.nonzero(uses[rows])[0]
+            if len(asked):
+                processor.apply(logits, LogitsBatch(torch.from_numpy(asked), self.input_batch, rows[asked]))
 
-    def _prompt_logprobs(self, hidden_states: torch.Tensor, states: list[CachedRequestState],
-                         query_start_loc: np.ndarray) -> dict[str, list[TokenLogprobs]]:
+    def _prompt_logprobs(self, hidden_states: torch.Tensor, query_start_loc: np.ndarray) -> dict[str, list[TokenLogprobs]]:
         """Score the prompt tokens this step reaches: position p's logits rate prompt token p + 1."""
+        batch = self.input_batch
         result = {}
-        for row, state in enumerate(states):
-            k = state.sampling_params.prompt_logprobs
+        for row in np.nonzero(batch.num_prompt_logprobs[:batch.num_reqs] >= 0)[0].tolist():
+            state = self.requests[batch.req_ids[row]]
             num_prompt = len(state.prompt_token_ids)
-            start, end = state.num_computed_tokens, state.num_computed_tokens + int(
-                query_start_loc[row + 1] - query_start_loc[row])
+            start = int(batch.num_computed_tokens[row])
+            end = start + int(query_start_loc[row + 1] - query_start_loc[row])
             last = min(end, num_prompt - 1)  # the final prompt position predicts an output token
-            if k is None or start >= last:
+            if start >= last:
                 continue
             rows = torch.arange(int(query_start_loc[row]), int(query_start_loc[row]) + last - start)
             targets = torch.tensor(state.prompt_token_ids[start + 1:last + 1])
             logprobs = self.model.compute_logits(hidden_states[rows.to(self.device)]).log_softmax(dim=-1)
+            k = int(batch.num_prompt_logprobs[row])
             result[state.req_id] = gather_logprobs(logprobs.cpu(), targets, [k] * len(targets))
         return result
 
@@ -209,29 +201,34 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
-        req_ids, states, input_ids, positions, metadata, sampling_rows, logits_indices = \
+        batch = self.input_batch
+        req_ids, num_scheduled, input_ids, positions, metadata, sampling_rows, logits_indices = \
             self._prepare_inputs(scheduler_output)
         with set_forward_context(metadata):
             hidden_states = self.model(input_ids, positions)
         prompt_logprobs = {}
-        if any(s.sampling_params.prompt_logprobs is not None for s in states):
-            query_start_loc = np.concatenate([[0], np.cumsum(list(scheduler_output.num_scheduled_tokens.values()))])
-            prompt_logprobs = self._prompt_logprobs(hidden_states, states, query_start_loc)
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        if (batch.num_prompt_logprobs[:len(req_ids)] >= 0).any():
+            query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
+            prompt_logprobs = self._prompt_logprobs(hidden_states, query_start_loc)
+        batch.num_computed_tokens[:len(req_ids)] += num_scheduled
         logprobs: dict[str, list[TokenLogprobs]] = {}
-        if len(sampling_rows):
-            logits = self.model.compute_logits(hidden_states[logits_indices.to(self.device)])
-            sampling_states = [states[row] for row in sampling_rows]
-            wants_logprobs = [i for i, s in enumerate(sampling_states) if s.sampling_params.logprobs is not None]
-            raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
-            self._apply_logits_processors(logits, sampling_states)
-            sampled = self.sampler(logits, self._sampling_metadata(sampling_states)).sampled_token_ids
-            sampled = get_tp_group().broadcast(sampled.contiguous(), src=0)  # every rank keeps rank 0's tokens
-            if wants_logprobs:
-                entries = gather_logprobs(raw_logprobs.cpu(), sampled[wants_logprobs].cpu(),
-                                          [sampling_states[i].sampling_params.logprobs for i in wants_logprobs])
-                logprobs = {sampling_states[i].req_id: [entry] for i, entry in zip(wants_logprobs, entries)}
-            for row, state, token_id in zip(sampling_rows, sampling_states, sampled.tolist()):
-                state.token_ids.append(token_id)
+        if not len(sampling_rows):
+            return ModelRunnerOutput(req_ids, [[] for _ in req_ids], logprobs, prompt_logprobs)
+        logits = self.model.compute_logits(hidden_states[logits_indices.to(self.device)])
+        num_logprobs = batch.num_logprobs[sampling_rows]
+        wants_logprobs = np.nonzero(num_logprobs >= 0)[0]
+        raw_logprobs = logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1) if len(wants_logprobs) else None
+        self._apply_logits_processors(logits, sampling_rows)
+        sampled = self.sampler(logits, self._sampling_metadata(sampling_rows)).sampled_token_ids
+        sampled = get_tp_group().broadcast(sampled.contiguous(), src=0).cpu()  # every rank keeps rank 0's tokens
+        batch.append_sampled(sampling_rows, sampled.numpy())
+        if len(wants_logprobs):
+            entries = gather_logprobs(raw_logprobs.cpu(), sampled[wants_logprobs], num_logprobs[wants_logprobs].tolist())
+            logprobs = {req_ids[sampling_rows[i]]: [entry] for i, entry in zip(wants_logprobs.tolist(), entries)}
+        if len(sampling_rows) == len(req_ids):
+            sampled_lists = sampled.unsqueeze(1).tolist()
+        else:
+            sampled_lists = [[] for _ in req_ids]
+            for row, token_id in zip(sampling_rows.tolist(), sampled.tolist()):
                 sampled_lists[row] = [token_id]
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)

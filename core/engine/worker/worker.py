@@ -49,9 +49,9 @@ class Worker:
         attention = plugins.select("attention", self.plugin_choices["attention"], ctx)
         sampler = plugins.select("sampler", self.plugin_choices["sampler"], ctx)
         kernels = plugins.select("layer_kernels", self.plugin_choices["layer_kernels"], ctx)
-        processors = [impl.cls(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
+        processors = [impl.create(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
         self.model_runner = ModelRunner(self.vllm_config, info, self.device, attention.cls,
-                                        sampler.cls(self.vllm_config), processors, kernels.cls())
+                                        sampler.create(self.vllm_config), processors, kernels.cls())
         self.model_runner.load_model()
 
     def get_kv_cache_spec(self):

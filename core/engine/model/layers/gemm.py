@@ -1,4 +1,5 @@
-"""Matrix products, and bfloat16 / float16 models on CPUs that lack native 16-bit GEMMs.
+"""CPU GEMM policy for the layer-kernels plugins: oneDNN's packed float32 product, and bfloat16 /
+float16 models on CPUs that lack native 16-bit GEMMs.
 
 Without AVX-512-BF16 / AMX, torch's bfloat16 matmul falls back to a scalar loop (about 17 GFLOP/s on
 an AVX2 machine, against 140 in float32). There the linear weights are kept in float32 (their values
@@ -8,31 +9,16 @@ activations, rounded back to bfloat16: the result of a bfloat16 GEMM with float3
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from engine.interfaces.layer_kernels import LayerKernels
+from engine.model.layers.linear import linear_layers
 
 logger = logging.getLogger(__name__)
 
 _HALF = (torch.bfloat16, torch.float16)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           packed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` in the weight's dtype, returned in the activation's dtype; through
-    ``packed`` (the same product on a packed weight, from ``LayerKernels.pack_linear``) when the
-    loader made one."""
-    if packed is not None:
-        return packed(x)
-    if weight.dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    out = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
-    return out.to(x.dtype)
 
 
 def cpu_has_half_gemm(dtype: torch.dtype) -> bool:
@@ -43,17 +29,11 @@ def cpu_has_half_gemm(dtype: torch.dtype) -> bool:
     return True
 
 
-def _linear_layers(model: nn.Module) -> list[nn.Module]:
-    from engine.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
-
-
 def widen_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
     """On a CPU without native ``dtype`` GEMMs, keep every linear weight in float32; True if it did."""
     if device.type != "cpu" or dtype not in _HALF or cpu_has_half_gemm(dtype):
         return False
-    for module in _linear_layers(model):
+    for module in linear_layers(model):
         module.weight.data = module.weight.data.float()
     name = str(dtype).replace("torch.", "")
     logger.info("this CPU (%s) has no native %s GEMM: linear weights are kept in float32 and products round "
@@ -88,25 +68,3 @@ def onednn_packed_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     except RuntimeError as exc:
         logger.info("linear layers stay on the plain GEMM: %s", exc)
         return None
-
-
-def pack_gemm_weights(model: nn.Module, kernels: "LayerKernels", widened: bool = False) -> int:
-    """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) the product
-    ``kernels.pack_linear`` prepares for its weight; returns how many products were packed.
-
-    The plain weights stay (inspection and the parameter count read them; new weights need packing
-    again). Weights a kernel set does not pack (16-bit weights on CPUs with native 16-bit GEMMs, GPU
-    weights) keep the plain products. ``widened``: the linear weights were widened to float32, so the
-    LM head (often the embedding table, which stays in the model dtype) is packed in float32 too.
-    """
-    from engine.model.layers.linear import RowParallelLinear
-
-    packed = 0
-    for module in _linear_layers(model):  # a row-parallel bias is added after the all-reduce, not in the product
-        module.packed = kernels.pack_linear(module.weight, None if isinstance(module, RowParallelLinear) else module.bias)
-        packed += module.packed is not None
-    head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
-    if head is not None:
-        model.logits_gemm = kernels.pack_linear(head.weight.float() if widened else head.weight)
-        packed += model.logits_gemm is not None
-    return packed

@@ -1,13 +1,28 @@
 """Linear layers sharded by tensor-parallel rank: column (incl. merged and QKV) and row parallel."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_group
-from engine.model.layers.gemm import linear
+
+PackedProduct = Callable[[torch.Tensor], torch.Tensor]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           packed: Optional[PackedProduct] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in the weight's dtype, returned in the activation's dtype; through
+    ``packed`` (the same product on a packed weight, from ``LayerKernels.pack_linear``) when the
+    layer kernels made one."""
+    if packed is not None:
+        return packed(x)
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+    return out.to(x.dtype)
 
 
 def _param(shape: Sequence[int], loader) -> nn.Parameter:
@@ -145,3 +160,28 @@ def weight_loader_of(param: nn.Parameter):
     return getattr(param, "weight_loader", default_weight_loader)
 
 
+
+
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """Every tensor-parallel linear layer of a model."""
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
+
+
+def pack_linear_layers(model: nn.Module, pack_linear: Callable[..., Optional[PackedProduct]],
+                       head_in_float32: bool = False) -> int:
+    """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) the product
+    ``pack_linear(weight, bias)`` prepares for its weight; returns how many products were packed.
+
+    The plain weights stay (inspection and the parameter count read them; new weights need packing
+    again). A weight ``pack_linear`` declines (None) keeps the plain product. ``head_in_float32``: pack
+    the LM head (often the embedding table, kept in the model dtype) from a float32 copy.
+    """
+    packed = 0
+    for module in linear_layers(model):  # a row-parallel bias is added after the all-reduce, not in the product
+        module.packed = pack_linear(module.weight, None if isinstance(module, RowParallelLinear) else module.bias)
+        packed += module.packed is not None
+    head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
+    if head is not None:
+        model.logits_gemm = pack_linear(head.weight.float() if head_in_float32 else head.weight)
+        packed += model.logits_gemm is not None
+    return packed

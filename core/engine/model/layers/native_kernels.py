@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from engine import hookimpl
 from engine.interfaces.layer_kernels import LayerKernels
-from engine.model.layers.gemm import onednn_packed_linear
+from engine.model.layers.gemm import onednn_packed_linear, widen_gemm_weights
+from engine.model.layers.linear import pack_linear_layers
 
 
 class NativeLayerKernels(LayerKernels):
@@ -20,6 +21,12 @@ class NativeLayerKernels(LayerKernels):
     def __init__(self):
         # the last step's (positions, cos table, cos rows, sin rows): gathered once per forward, not per layer
         self._rope_rows: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    def process_weights_after_loading(self, model, dtype, device):
+        """CPU policy: on a CPU without native ``dtype`` GEMMs the linear weights are kept in float32; then
+        every product is packed (``pack_linear``)."""
+        widened = widen_gemm_weights(model, dtype, device)
+        pack_linear_layers(model, self.pack_linear, head_in_float32=widened)
 
     def pack_linear(self, weight, bias=None):
         """oneDNN's packed float32 product on CPUs (:class:`~engine.model.layers.gemm.PackedLinear`)."""

@@ -6,7 +6,7 @@ kernel that rejects one request's shape): the engine must end that request alone
 from engine import hookimpl
 from engine.interfaces.logits_processor import LogitsProcessor
 
-ENGINE_CONTRACT_VERSION = "1.1"
+ENGINE_CONTRACT_VERSION = "1.3"
 
 
 class FaultyProcessor(LogitsProcessor):
@@ -16,9 +16,9 @@ class FaultyProcessor(LogitsProcessor):
     def requested_by(cls, params) -> bool:
         return bool(params.extra_args and "fail" in params.extra_args)
 
-    def apply(self, logits, rows, requests):
-        for request in requests:
-            if request.params.extra_args["fail"]:
+    def apply(self, logits, batch):
+        for params in batch.params:
+            if params.extra_args["fail"]:
                 raise RuntimeError("faulty processor: this request asked to fail")
 
 

@@ -1,4 +1,8 @@
-"""A third-party plugin exercising every hook; counters show that the engine really used each part."""
+"""A third-party plugin exercising every hook; counters show that the engine really used each part.
+
+It declares contract 1.1 on purpose: its logits processor and sampler use the pre-1.3 views
+(``LogitsRequestView`` lists, seeded ``generators``) and must keep working through the adapters.
+"""
 from collections import Counter
 
 import torch
@@ -72,6 +76,7 @@ class ToySampler(DefaultSampler):
 
     def __call__(self, logits, metadata):
         CALLS["sampler"] += 1
+        CALLS["generators"] += len(metadata.generators)  # the 1.2 view: one generator per seeded row
         return super().__call__(logits, metadata)
 
 

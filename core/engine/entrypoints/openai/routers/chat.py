@@ -1,0 +1,69 @@
+"""/v1/chat/completions: a conversation through the model's chat template, streamed or not."""
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
+from engine.entrypoints.openai.serving import OpenAIServing, get_serving
+from engine.entrypoints.openai.streaming import stream_choices, usage
+
+router = APIRouter()
+
+
+def chat_logprobs(completion, num_top: int, start: int = 0) -> Optional[dict]:
+    """The chat logprobs object (``content``: one entry per token) for the tokens from ``start`` on."""
+    if completion.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
+        chosen = entry[token_id]
+        token = chosen.decoded_token or ""
+        content.append({"token": token, "logprob": chosen.logprob, "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                                          "bytes": list((lp.decoded_token or "").encode())}
+                                         for lp in sorted(entry.values(), key=lambda x: -x.logprob)][:num_top]})
+    return {"content": content}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, http_request: Request,
+                           serving: OpenAIServing = Depends(get_serving)):
+    engine = serving.get_engine()
+    serving.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise APIError("top_logprobs must be in [0, 20]", 400, "top_logprobs")
+    prompt_ids = await asyncio.to_thread(serving.chat_prompt_ids, engine, body.messages, body.add_generation_prompt,
+                                         body.chat_template)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    default_max = max(1, engine.model_info.max_model_len - len(prompt_ids))
+    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max)
+    prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
+    serving.validate(engine, [prompt], params)
+    request_id = random_id("chatcmpl")
+    header = {"id": request_id, "object": "chat.completion", "created": now(), "model": serving.model_name}
+    num_top = body.top_logprobs or 0
+
+    if not body.stream:
+        output = (await serving.final_outputs(engine, [prompt], params, request_id, http_request))[0]
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, num_top), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in output.outputs]
+        return {**header, "choices": choices, "usage": usage([output])}
+
+    def choice(index: int, completion, text: str, start: int) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": chat_logprobs(completion, num_top, start), "finish_reason": completion.finish_reason}
+
+    roles = [{"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]} for i in range(params.n)]
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = stream_choices(serving.merged(engine, [prompt], params, request_id), params.n,
+                            {**header, "object": "chat.completion.chunk"}, choice, include_usage, request_id, roles)
+    return StreamingResponse(events, media_type="text/event-stream")

@@ -1,0 +1,78 @@
+"""/v1/completions: one or several prompts (text or token ids), n sequences each, streamed or not."""
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.protocol import CompletionRequest, now, random_id
+from engine.entrypoints.openai.serving import OpenAIServing, get_serving
+from engine.entrypoints.openai.streaming import stream_choices, usage
+
+router = APIRouter()
+
+
+def completion_prompts(prompt) -> list:
+    """OpenAI's prompt forms: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt must not be empty", 400, "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        return [{"prompt_token_ids": p} for p in prompt]
+    raise APIError("prompt must be a string, a list of strings, or token ids", 400, "prompt")
+
+
+def choice_logprobs(engine, completion, num_top: Optional[int], start: int = 0) -> Optional[dict]:
+    """The legacy completions logprobs object for the tokens from ``start`` on."""
+    if completion.logprobs is None:
+        return None
+    entries = completion.logprobs[start:]
+    token_ids = completion.token_ids[start:]
+    tokens = [engine.output_processor.decode_token(t) for t in token_ids]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token or "")
+    return {"tokens": tokens,
+            "token_logprobs": [entry[t].logprob for entry, t in zip(entries, token_ids)],
+            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda x: -x.logprob)[:num_top]}
+                             for entry in entries],
+            "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http_request: Request, serving: OpenAIServing = Depends(get_serving)):
+    engine = serving.get_engine()
+    serving.check_model(body.model)
+    if body.echo or body.suffix:
+        raise APIError("'echo' and 'suffix' are not supported", 400, "echo" if body.echo else "suffix")
+    if body.logprobs is not None and body.logprobs > 5:
+        raise APIError("logprobs must be at most 5 for completions", 400, "logprobs")
+    params = body.sampling_params(body.max_tokens, body.logprobs, 16)
+    prompts = await serving.tokenized(engine, completion_prompts(body.prompt))
+    serving.validate(engine, prompts, params)
+    request_id = random_id("cmpl")
+    header = {"id": request_id, "object": "text_completion", "created": now(), "model": serving.model_name}
+
+    if not body.stream:
+        outputs = await serving.final_outputs(engine, prompts, params, request_id, http_request)
+        choices = [{"index": i * params.n + c.index, "text": c.text, "logprobs": choice_logprobs(engine, c, body.logprobs),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for i, out in enumerate(outputs) for c in out.outputs]
+        return {**header, "choices": choices, "usage": usage(outputs)}
+
+    def choice(index: int, completion, text: str, start: int) -> dict:
+        return {"index": index, "text": text, "logprobs": choice_logprobs(engine, completion, body.logprobs, start),
+                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = stream_choices(serving.merged(engine, prompts, params, request_id), params.n, header, choice,
+                            include_usage, request_id)
+    return StreamingResponse(events, media_type="text/event-stream")

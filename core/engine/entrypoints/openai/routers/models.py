@@ -1,0 +1,42 @@
+"""The served model and its tokenizer: /v1/models, /tokenize, /detokenize."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends
+
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, now
+from engine.entrypoints.openai.serving import OpenAIServing, get_serving
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(serving: OpenAIServing = Depends(get_serving)):
+    max_model_len = serving.get_engine().model_info.max_model_len
+    return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": now(),
+                                        "owned_by": "engine", "max_model_len": max_model_len}]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, serving: OpenAIServing = Depends(get_serving)):
+    engine = serving.get_engine()
+    serving.check_model(body.model)
+    if body.messages is not None:
+        tokens = await asyncio.to_thread(serving.chat_prompt_ids, engine, body.messages, True, None)
+    elif body.prompt is not None:
+        tokens = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise APIError("give 'prompt' or 'messages'", 400, "prompt")
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.model_info.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, serving: OpenAIServing = Depends(get_serving)):
+    engine = serving.get_engine()
+    serving.check_model(body.model)
+    vocab = engine.model_info.vocab_size
+    if any(t < 0 or t >= vocab for t in body.tokens):
+        raise APIError(f"token ids must lie in [0, {vocab})", 400, "tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens)}

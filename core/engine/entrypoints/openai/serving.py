@@ -1,0 +1,186 @@
+"""OpenAIServing: what every endpoint shares — the engine (loaded in the background), the served model's
+name, metrics, prompt preparation, running prompts to completion or as a stream, and draining on shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+
+from engine.config import VllmConfig
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger("engine.server")
+
+
+def served_model_name(config: VllmConfig, model_path: str) -> str:
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    return os.path.basename(model_path.rstrip("/")).removesuffix(".gguf")
+
+
+class OpenAIServing:
+    """The server's state, handed to every router through ``get_serving``."""
+
+    def __init__(self, config: VllmConfig):
+        from engine.model.model_info import default_model_path
+
+        self.config = config
+        self.model_name = served_model_name(config, config.model.model or default_model_path())
+        self.metrics = ServerMetrics(self.model_name)
+        self.engine = None  # AsyncLLM, once loaded
+        self.load_error: Optional[str] = None
+        self.cancel_start = threading.Event()  # set on shutdown: a start-up in progress stops its engine core
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.stopping = False  # SIGTERM came: /health and new requests answer 503
+        self.draining = asyncio.Event()  # set when requests in flight must end: the server is going down
+        self.streams: set[asyncio.Queue] = set()  # queues of the streams in flight, told when the server drains
+
+    # ---- engine ---------------------------------------------------------------------------------
+    def load_engine(self):
+        from engine.runtime.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM(self.config, self.cancel_start)
+        return self.engine
+
+    def get_engine(self):
+        """The engine, or a 503 saying why there is none to use."""
+        engine = self.engine
+        if self.stopping:
+            raise APIError("the server is shutting down", 503)
+        if engine is None:
+            raise APIError(self.load_error or "the model is still loading", 503)
+        if engine.errored:
+            raise APIError(f"the engine is dead: {engine.dead_error}", 503, err_type="EngineDeadError")
+        return engine
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist. Served: `{self.model_name}`", 404, "model",
+                           "NotFoundError")
+
+    # ---- prompts --------------------------------------------------------------------------------
+    async def tokenized(self, engine, prompts: list) -> list[dict]:
+        """Every prompt as token ids; text is tokenized off the event loop (a long prompt must not stall
+        the other clients, /health included)."""
+        def encode_all() -> list[dict]:
+            return [{"prompt_token_ids": engine.tokenizer.encode(p)} if isinstance(p, str) else p for p in prompts]
+
+        if not any(isinstance(p, str) for p in prompts):
+            return prompts
+        return await asyncio.to_thread(encode_all)
+
+    @staticmethod
+    def chat_prompt_ids(engine, messages, add_generation_prompt: bool, chat_template: Optional[str]) -> list[int]:
+        tokenizer = engine.tokenizer
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+        except Exception as exc:
+            raise APIError(f"cannot apply the chat template: {exc}", 400, "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def validate(engine, prompts: list[dict], params) -> None:
+        """Every prompt is checked before any is started."""
+        for prompt in prompts:
+            engine.input_processor.process("validate", prompt, params)
+            engine.input_processor.check_context_length(len(prompt["prompt_token_ids"]), params)
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def generate(self, engine, prompt: Any, params, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one prompt, measured for the metrics."""
+        timer = RequestTimer(self.metrics, time.monotonic)
+        if self.config.server.log_requests:
+            logger.info("request %s: prompt %s, params %s", request_id,
+                        prompt if isinstance(prompt, str) else f"{len(prompt['prompt_token_ids'])} tokens", params)
+        output = None
+        async for output in engine.generate(prompt, params, request_id):
+            timer.on_output(sum(len(c.token_ids) for c in output.outputs))
+            yield output
+        if output is not None:
+            timer.on_finish(len(output.prompt_token_ids))
+
+    async def final_outputs(self, engine, prompts: list, params, base_id: str,
+                            http_request: Request) -> list[RequestOutput]:
+        """Non-streaming: run every prompt; a client that goes away, a failed prompt or a shutdown aborts them all."""
+        async def last(index: int, prompt) -> RequestOutput:
+            final = None
+            async for final in self.generate(engine, prompt, params, f"{base_id}-{index}"):
+                pass
+            return final
+
+        tasks = [asyncio.create_task(last(i, p)) for i, p in enumerate(prompts)]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                if not pending or any(t.exception() is not None for t in done):
+                    return [t.result() for t in tasks]  # raises the first failure
+                if self.draining.is_set():
+                    raise APIError("the server is shutting down", 503)
+                if await http_request.is_disconnected():
+                    raise APIError("client disconnected", 499)
+        finally:
+            for task in tasks:
+                task.cancel()  # cancelling a prompt's generator aborts its request in the engine
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def merged(self, engine, prompts: list, params, base_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Streaming: (prompt index, output) as they come, from every prompt's generator."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, prompt) -> None:
+            try:
+                async for output in self.generate(engine, prompt, params, f"{base_id}-{index}"):
+                    await queue.put((index, output))
+            except BaseException as exc:
+                await queue.put((index, exc))
+                raise
+            finally:
+                await queue.put((index, None))
+
+        if self.draining.is_set():
+            raise APIError("the server is shutting down", 503)
+        self.streams.add(queue)
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            self.streams.discard(queue)
+            for task in tasks:
+                task.cancel()  # a disconnected client: every prompt's request is aborted
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- shutdown -------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """End every request in flight with an error: the server is going down."""
+        self.draining.set()
+        for queue in list(self.streams):
+            queue.put_nowait((None, APIError("the server is shutting down", 503)))
+
+    def begin_drain(self, delay: float) -> None:
+        """From the SIGTERM handler: new requests get 503 at once, those in flight ``delay`` seconds more."""
+        if self.loop is not None and not self.stopping:
+            self.stopping = True
+            self.loop.call_soon_threadsafe(self.loop.call_later, delay, self.drain)
+
+
+def get_serving(request: Request) -> OpenAIServing:
+    """FastAPI dependency: the server state of the app handling ``request``."""
+    return request.app.state.serving

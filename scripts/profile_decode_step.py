@@ -1,0 +1,114 @@
+"""Where a decode step's time goes at 64 running requests: the model, the sampler, and the runner's own
+Python (input preparation, sampling metadata, output lists) around them.
+
+Runs SmolLM2 (the default model) through ``LLM`` in this process, 64 requests of 128 prompt tokens and
+128 output tokens at temperature 0.6 (W1's setting), and times every ``ModelRunner.execute_model``
+call in which all 64 requests decode one token. Prints JSON, medians in milliseconds per step:
+``total`` (execute_model), ``model`` (forward), ``logits`` (LM head), ``sampler``, ``runner_python``
+(total minus those three: the runner's own Python and the logits processors), and the scheduler's
+``schedule`` and ``update`` around the step. ``--seeded`` and ``--penalties`` give every request a
+seed and presence / repetition penalties (the per-request paths of the runner).
+
+    python scripts/profile_decode_step.py [--dtype float32] [--steps-json out.json]
+
+Run it against another checkout of the engine with PYTHONPATH=<checkout>/core to compare before/after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+
+
+class Timer:
+    """Wraps a callable; sums its wall time into ``bucket`` of the current step."""
+
+    def __init__(self, fn, step: dict, bucket: str):
+        self.fn, self.step, self.bucket = fn, step, bucket
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.step[self.bucket] = self.step.get(self.bucket, 0.0) + time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seeded", action="store_true", help="give every request its own seed")
+    parser.add_argument("--penalties", action="store_true",
+                        help="every request asks for presence and repetition penalties (a logits processor)")
+    parser.add_argument("--steps-json", help="also write every measured step")
+    args = parser.parse_args()
+
+    llm = LLM(dtype=args.dtype, max_num_seqs=max(256, args.num_requests))
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    steps: list[dict] = []
+    current: dict = {}
+    runner.model.forward = Timer(runner.model.forward, current, "model")
+    runner.model.compute_logits = Timer(runner.model.compute_logits, current, "logits")
+    runner.sampler = Timer(runner.sampler, current, "sampler")
+    execute = runner.execute_model
+
+    def timed_execute(scheduler_output):
+        schedule_time = current.get("schedule_next", 0.0)
+        current.clear()
+        start = time.perf_counter()
+        output = execute(scheduler_output)
+        total = time.perf_counter() - start
+        decode = len(scheduler_output.num_scheduled_tokens) == args.num_requests and \
+            scheduler_output.total_num_scheduled_tokens == args.num_requests
+        if decode:
+            inside = current.get("model", 0) + current.get("logits", 0) + current.get("sampler", 0)
+            steps.append({"total": total, **current, "runner_python": total - inside, "schedule": schedule_time,
+                          "update": None, "step_id": id(scheduler_output)})
+        return output
+
+    runner.execute_model = timed_execute
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule, update = scheduler.schedule, scheduler.update_from_output
+
+    def timed_schedule():
+        start = time.perf_counter()
+        output = schedule()
+        current["schedule_next"] = time.perf_counter() - start
+        return output
+
+    def timed_update(scheduler_output, runner_output):
+        start = time.perf_counter()
+        outputs = update(scheduler_output, runner_output)
+        if steps and steps[-1].get("update") is None and steps[-1]["step_id"] == id(scheduler_output):
+            steps[-1]["update"] = time.perf_counter() - start
+        return outputs
+
+    scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
+    generator = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, 20000, (128,), generator=generator).tolist()}
+               for _ in range(args.num_requests)]
+    extra = dict(presence_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
+    params = [SamplingParams(temperature=0.6, max_tokens=128, ignore_eos=True, seed=i if args.seeded else None, **extra)
+              for i in range(args.num_requests)]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    steps.clear()
+    llm.generate(prompts, params, use_tqdm=False)
+    keys = ["total", "model", "logits", "sampler", "runner_python", "schedule", "update"]
+    summary = {key: round(statistics.median(s.get(key) or 0.0 for s in steps) * 1e3, 3) for key in keys}
+    summary.update(decode_steps=len(steps), dtype=args.dtype, seeded=args.seeded, penalties=args.penalties, threads=torch.get_num_threads(),
+                   isa=torch.backends.cpu.get_cpu_capability())
+    print(json.dumps(summary))
+    if args.steps_json:
+        with open(args.steps_json, "w") as f:
+            json.dump(steps, f)
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
