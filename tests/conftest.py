@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -24,43 +23,24 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory, smollm2_gguf) -> str:
     """SmolLM2's tokenizer as a Hugging Face folder, shared by the tiny models."""
-    from transformers import AutoTokenizer
+    from engine.testing.models import tokenizer_folder
 
-    out = tmp_path_factory.mktemp("tokenizer")
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
-    tok.save_pretrained(out)
-    return str(out)
+    return tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory, tokenizer_dir):
-    """Factory: a random tiny model of a transformers config class, saved as a HF folder."""
+    """Factory: a random tiny model of a transformers config class, saved as a HF folder (cached per settings)."""
+    from engine.testing.models import make_tiny_model as make_model
+
     cache: dict = {}
 
     def make(config_cls_name: str = "LlamaConfig", max_shard_size: str | None = None, seed: int = 0, **overrides):
-        import transformers
-
         key = (config_cls_name, max_shard_size, seed, repr(sorted(overrides.items())))
-        if key in cache:
-            return cache[key]
-        settings = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-        settings.update(overrides)
-        config = getattr(transformers, config_cls_name)(**settings)
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # random weights large enough that tokens differ across positions
-            for param in model.parameters():
-                if param.dim() > 1:
-                    param.normal_(0, 0.2)
-        out = tmp_path_factory.mktemp(config_cls_name.lower())
-        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-        model.save_pretrained(out, **kwargs)
-        for name in os.listdir(tokenizer_dir):
-            shutil.copy(os.path.join(tokenizer_dir, name), out)
-        cache[key] = str(out)
-        return str(out)
+        if key not in cache:
+            cache[key] = make_model(tmp_path_factory.mktemp(config_cls_name.lower()), config_cls_name, seed,
+                                    tokenizer_dir, max_shard_size, **overrides)
+        return cache[key]
 
     return make
 
@@ -75,3 +55,11 @@ def hf_tiny_llama(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def plugin_env(tmp_path_factory) -> dict:
+    """The toy and future fixture plugin distributions pip-installed into a private folder on PYTHONPATH."""
+    from tests.helpers import install_fixture_plugins
+
+    return install_fixture_plugins(tmp_path_factory, "engine_toy_plugin", "engine_future_plugin")

@@ -34,6 +34,27 @@ def test_throughput_ab_writes_json_and_plot(tiny_llama, tmp_path):
     assert report["environment"]["torch"] and report["num_requests"] == 4
     assert is_png(plot)
     assert "total tok/s" in result.stdout and "triton" in result.stdout
+    assert "leaked semaphore" not in result.stderr  # the runs' processes end cleanly
+
+
+def test_every_plugin_key_takes_a_list_for_ab():
+    """The A/B keys come from the plugin-kind table: layer kernels (and any future kind) included."""
+    import argparse
+
+    from engine.bench.cli import _split_variants
+    from engine.entrypoints.config_flags import add_config_flags
+    from engine.hookspecs import KINDS
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    base, variants = _split_variants(parser.parse_args(["--layer-kernels", "cpu,native", "--sampler", "default"]))
+    assert variants == [("cpu", {"device.layer_kernels": "cpu"}), ("native", {"device.layer_kernels": "native"})]
+    assert base["sampler"] == {"name": "default"}
+    for kind in KINDS.values():
+        if kind.config_key:
+            flag = f"--{(kind.flags[0] if kind.flags else kind.config_key.split('.')[1]).replace('_', '-')}"
+            _, variants = _split_variants(parser.parse_args([flag, "a,b"]))
+            assert [label for label, _ in variants] == ["a", "b"], kind.name
 
 
 def test_throughput_with_transformers_peer(tiny_llama, tmp_path):

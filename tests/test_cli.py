@@ -39,3 +39,8 @@ def test_help_lists_config_flags():
     for flag in ("--attention", "--executor", "--sampler", "--block-size", "--max-num-batched-tokens",
                  "--kv-cache-memory", "--enable-prefix-caching", "--config"):
         assert flag in result.stdout
+    # flags are spelt as the config keys users know: --attention, not the field name --backend; each once
+    words = result.stdout.replace(",", " ").split()
+    for field_name in ("--backend", "--name", "--options"):
+        assert field_name not in words
+    assert words.count("--executor") == 1 and words.count("--attention") == 1

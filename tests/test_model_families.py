@@ -156,3 +156,18 @@ def test_coordinator_choice_and_errors(make_tiny_model):
         chosen(kv_cache_coordinator="bogus")
     config = VllmConfig.load(model=make_tiny_model())
     assert select_plugins(config, resolve_model(config.model))["kv_cache_coordinator"].name == "unitary"
+
+
+def test_load_weights_must_return_the_loaded_names(tiny_llama, monkeypatch):
+    """A family whose load_weights returns None gets an error naming it, not a TypeError from set arithmetic."""
+    from engine.config import ModelConfig
+    from engine.model.llama import LlamaForCausalLM
+    from engine.model.loader import load_model
+    from engine.model.model_info import resolve_model
+
+    original = LlamaForCausalLM.load_weights
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", lambda self, weights: (original(self, weights), None)[1])
+    with pytest.raises(TypeError, match=r"engine\.model\.llama\.LlamaForCausalLM\.load_weights must return the set "
+                                        r"of parameter names it loaded, got NoneType"):
+        load_model(resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"),
+                   show_progress=False)

@@ -2,21 +2,17 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import ConfigError, VllmConfig
 from engine.interfaces.base import SelectionContext
 from engine.plugins import PluginManager
 from tests.helpers import hf_greedy
-
-FIXTURES = Path(__file__).parent / "plugin_fixtures"
 
 
 def run_engine_cli(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -118,20 +114,6 @@ def test_selection_prefers_priority_and_skips_unavailable():
     assert manager.select("sampler", "auto", ctx).name == "default"
     with pytest.raises(ConfigError, match="no executor implementation can run here"):
         manager.select("executor", "auto", ctx)  # no entry points loaded: no executor at all
-
-
-@pytest.fixture(scope="module")
-def plugin_env(tmp_path_factory):
-    """The two fixture distributions pip-installed into a private folder on PYTHONPATH."""
-    site = tmp_path_factory.mktemp("site")
-    for package in ("engine_toy_plugin", "engine_future_plugin"):
-        build = tmp_path_factory.mktemp("build") / package
-        shutil.copytree(FIXTURES / package, build)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                        "--target", str(site), str(build)], check=True, capture_output=True, timeout=300)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
-    return env
 
 
 def test_third_party_plugins_are_listed_and_refused_by_contract(plugin_env):

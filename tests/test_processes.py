@@ -57,7 +57,10 @@ def test_sync_mp_client_equals_inproc(tiny_llama, inproc_reference):
 
 def test_async_mp_client_equals_inproc(tiny_llama, inproc_reference):
     async def run():
-        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32"))
+        config = VllmConfig.load(model=tiny_llama, dtype="float32")
+        engine = AsyncLLM(config)
+        # its core runs in a process of its own, and its config (and start-up log) says so
+        assert engine.vllm_config.parallel.engine_core_process and not config.parallel.engine_core_process
         try:
             async def one(index):
                 final = None
@@ -103,6 +106,34 @@ def test_tensor_parallel_2_equals_1_on_smollm2():
         llm.shutdown()
     assert results[2] == results[1]
     assert wait_gone() == []
+
+
+def test_a_script_without_a_main_guard_runs_tensor_parallel_and_exits_cleanly(tiny_llama, inproc_reference, tmp_path):
+    """`LLM(..., tensor_parallel_size=2)` at module level, no `if __name__ == "__main__":` — the spawned
+    worker and engine-core processes do not re-run the script, and shutting down leaks nothing."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "user_script.py"
+    script.write_text(f"""
+import json
+from engine import LLM, SamplingParams
+print("script body runs", flush=True)
+llm = LLM({tiny_llama!r}, dtype="float32", tensor_parallel_size=2, engine_core_process=True)
+outs = llm.generate([{{"prompt_token_ids": p}} for p in {PROMPTS!r}], [SamplingParams(**p) for p in {[
+        {"temperature": p.temperature, "seed": p.seed, "max_tokens": p.max_tokens} for p in PARAMS]!r}])
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+llm.shutdown()
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines.count("script body runs") == 1  # not re-run by the engine core or either worker
+    tokens = json.loads(lines[-1])
+    assert tokens[0::2] == inproc_reference[0::2]  # the greedy requests: tensor parallel gives the same tokens
+    assert "leaked semaphore" not in result.stderr and "bootstrapping phase" not in result.stderr, result.stderr
 
 
 def test_killed_worker_raises_engine_dead_and_leaves_no_process(tiny_llama):

@@ -39,7 +39,7 @@ def step(scheduler, token=5):
 
 def test_token_budget_and_chunked_prefill():
     scheduler = make_scheduler(max_num_batched_tokens=10)
-    a, b = add(scheduler, "a", 7, max_tokens=3), add(scheduler, "b", 12, max_tokens=3)
+    add(scheduler, "a", 7, max_tokens=3), add(scheduler, "b", 12, max_tokens=3)
     out, results = step(scheduler)
     assert out.num_scheduled_tokens == {"a": 7, "b": 3}  # b's prompt is chunked
     assert [r.request_id for r in results] == ["a"]

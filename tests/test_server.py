@@ -115,6 +115,40 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, client, 
     assert client.completions.create(model=MODEL_NAME, prompt="still up?", max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "max_token": 3}, "max_token"),  # misspelt: never fails open
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"usage": 1}},
+     "stream_options.usage"),
+])
+def test_unknown_fields_answer_400_naming_them(server, path, body, param):
+    response = httpx.post(server.url + path, json={"max_tokens": 2, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and f"unknown field '{param}'" in error["message"]
+
+
+def test_openai_fields_without_effect_are_accepted(client, server):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         temperature=0, user="u1", metadata={"k": "v"}, store=False,
+                                         service_tier="auto", parallel_tool_calls=False)
+    assert out.usage.completion_tokens == 2
+    out = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, user="u1")
+    assert out.usage.completion_tokens == 2
+
+
+def test_chat_roles_are_checked(server):
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and error["param"] == "messages.0.role" and "'wizard'" in error["message"]
+    for role in ("system", "developer"):
+        ok = httpx.post(server.url + "/v1/chat/completions", json={
+            "messages": [{"role": role, "content": "be brief"}, {"role": "user", "content": "x"}], "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+
+
 def test_chat_errors(server):
     bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"

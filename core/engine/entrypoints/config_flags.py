@@ -31,17 +31,20 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for section, section_cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} config")
         for name, field in section_cls.model_fields.items():
-            flags = [f"--{name.replace('_', '-')}"] if name not in seen else []
-            flags += [f"--{alias.replace('_', '-')}" for alias, target in FLAT_ALIASES.items()
-                      if target == f"{section}.{name}"]
+            aliases = [alias for alias, target in FLAT_ALIASES.items() if target == f"{section}.{name}"]
+            # a key with aliases is spelt as users know it (--attention, --sampler), not by its field name
+            # (--backend, --name); each flag once
+            names = aliases if aliases else ([name] if name not in seen else [])
+            flags = list(dict.fromkeys(f"--{n.replace('_', '-')}" for n in names))
             seen.add(name)
             if not flags:
                 continue
             kind = _flag_type(field.annotation)
             choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-            common = dict(dest=f"cfg__{section}__{name}", default=None,
+            common = dict(dest=f"cfg__{section}__{name}", default=None, metavar=None if kind is bool else names[0].upper(),
                           help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
             if kind is bool:
+                common.pop("metavar")
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
             else:
                 group.add_argument(*flags, type=kind, choices=choices, **common)

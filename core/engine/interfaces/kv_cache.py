@@ -47,5 +47,9 @@ class KVCacheCoordinator(Pluggable):
     def get_blocks(self, request_id: str) -> list[list]:
         ...
 
+    def empty_blocks(self) -> list[list]:
+        """No blocks, in the per-group shape (what a request without a prefix hit gets)."""
+        return [[] for _ in self.kv_cache_config.groups]
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free blocks that no future token can attend to (sliding windows); nothing by default."""

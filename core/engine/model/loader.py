@@ -96,6 +96,9 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False)
     with torch.no_grad():
         loaded = model.load_weights(bar)
+    if not isinstance(loaded, (set, frozenset)):
+        raise TypeError(f"{model_cls.__module__}.{model_cls.__qualname__}.load_weights must return the set of "
+                        f"parameter names it loaded, got {type(loaded).__name__}")
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {info.path} lacks weights for: {sorted(missing)[:8]}")

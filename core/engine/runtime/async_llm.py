@@ -24,7 +24,10 @@ class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig, cancel_start: Optional[threading.Event] = None):
         """Start the engine core and wait until it is ready. Setting ``cancel_start`` (from another thread)
         makes a start-up in progress stop the core and raise EngineDeadError."""
-        self.vllm_config = vllm_config
+        # AsyncLLM always runs its engine core in a process of its own: the config says so (and the log)
+        self.vllm_config = vllm_config.model_copy(deep=True)
+        self.vllm_config.parallel.engine_core_process = True
+        vllm_config = self.vllm_config
         logger.info("engine config:\n%s", vllm_config.summary())
         # the core process loads the model while this process reads the tokenizer: start-up overlaps
         self.engine_core = AsyncMPClient(vllm_config)

@@ -27,7 +27,7 @@ from engine.errors import EngineDeadError
 from engine.model.model_info import ModelInfo
 from engine.runtime.core_proc import EngineCoreProc, encode_request
 from engine.runtime.engine_core import EngineCore
-from engine.runtime.lifetime import describe_exit, remove_ipc_dir
+from engine.runtime.lifetime import describe_exit, remove_ipc_dir, start_process
 from engine.runtime.messages import (OUTPUTS_DECODER, READY_CALL_ID, EngineCoreOutputs, EngineCoreRequest,
                                      EngineCoreRequestType, UtilityCall)
 from engine.runtime.messages import SchedulerStats
@@ -103,7 +103,7 @@ class MPClient:
                                         logging.getLogger("engine").getEffectiveLevel(), os.getpid(),
                                         self.ipc_dir), daemon=False)
         try:
-            self.proc.start()
+            start_process(self.proc)
         except BaseException:
             remove_ipc_dir(self.ipc_dir)
             raise

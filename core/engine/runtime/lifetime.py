@@ -7,9 +7,11 @@ removes what it shares with the parent (the IPC folder) on its way out.
 from __future__ import annotations
 
 import logging
+import multiprocessing.process
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -77,3 +79,30 @@ def remove_ipc_dir(path: Optional[str]) -> None:
     """Remove an ``engine-ipc-*`` folder and its socket files; quiet if already gone."""
     if path and os.path.basename(path).startswith("engine-ipc-"):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def start_process(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start a spawned process without re-importing the parent's ``__main__`` in it.
+
+    Spawn re-runs the parent's main script in every child (so that functions defined there can be
+    unpickled); the engine's process targets live in importable modules, so that is only a cost, and a
+    trap: a script that builds an engine at module level, without ``if __name__ == "__main__":``, would
+    build another one in every child. Hiding the main module's path while the child's preparation data is
+    taken (inside ``start``) leaves the child's ``__main__`` alone, as in an interactive session.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        proc.start()
+        return
+    saved_file, saved_spec = main.__dict__.get("__file__", _MISSING), getattr(main, "__spec__", None)
+    try:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+        proc.start()
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not _MISSING:
+            main.__file__ = saved_file
+
+
+_MISSING = object()

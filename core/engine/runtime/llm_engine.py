@@ -9,6 +9,7 @@ from engine.config import VllmConfig
 from engine.outputs import RequestOutput
 from engine.runtime.core_client import EngineCoreClient, make_client
 from engine.runtime.input_processor import PromptType, build_front_end
+from engine.runtime.lifetime import use_thread_lock_for_progress_bars
 from engine.sampling_params import SamplingParams
 from engine.runtime.messages import SchedulerStats
 
@@ -20,6 +21,7 @@ class LLMEngine:
 
     def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
+        use_thread_lock_for_progress_bars()  # no multiprocessing semaphore for this process's bars to leak
         logger.info("engine config:\n%s", vllm_config.summary())
         self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
         self.engine_core: EngineCoreClient = make_client(vllm_config, self.model_info)

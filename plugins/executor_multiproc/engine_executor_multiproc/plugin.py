@@ -18,7 +18,7 @@ from typing import Any, Optional
 from engine import hookimpl
 from engine.errors import EngineDeadError
 from engine.interfaces.executor import Executor
-from engine.runtime.lifetime import describe_exit, use_thread_lock_for_progress_bars, watch_parent
+from engine.runtime.lifetime import describe_exit, start_process, use_thread_lock_for_progress_bars, watch_parent
 
 ENGINE_CONTRACT_VERSION = "1.0"
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class MultiprocExecutor(Executor):
             proc = spawn.Process(target=worker_main, name=f"EngineWorker-{rank}", daemon=True,
                                  args=(self.vllm_config, self.plugin_choices, rank, init_method, child_conn,
                                        logging.getLogger().getEffectiveLevel(), os.getpid()))
-            proc.start()
+            start_process(proc)  # the child does not re-run the user's main script
             child_conn.close()
             self.workers.append(proc)
             self.conns.append(parent_conn)

@@ -62,7 +62,11 @@ def install_exception_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return APIError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}").response()
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return APIError(f"{param}: {first['msg']}" if param else first["msg"], 400, param).response()
+        if first.get("type") == "extra_forbidden":
+            return APIError(f"unknown field '{param}': not a parameter of this endpoint on this server", 400,
+                            param).response()
+        detail = f"{first['msg']} (got {first['input']!r})" if first.get("type") == "literal_error" else first["msg"]
+        return APIError(f"{param}: {detail}" if param else detail, 400, param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):

@@ -1,6 +1,7 @@
 """OpenAI request bodies (plus vLLM's sampling extras) and their mapping onto SamplingParams."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -9,6 +10,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+logger = logging.getLogger("engine.server")
 
 # Every integer is bounded where it enters: nothing out of range reaches msgpack, torch or the core.
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -38,10 +41,17 @@ def find_lone_surrogate(value: Any, path: str = "") -> Optional[str]:
     return None
 
 
-class _Request(BaseModel):
-    """Base of every request body: no NaN or infinity, no string that is not valid Unicode."""
+# Documented OpenAI fields that change nothing here (accounting, storage, routing): accepted, logged once.
+NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+                    "prompt_cache_key")
+_logged_no_effect: set[str] = set()
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+class _Request(BaseModel):
+    """Base of every request body: no unknown field (a misspelt or unsupported option answers 400 naming it,
+    never fails open), no NaN or infinity, no string that is not valid Unicode."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -52,7 +62,7 @@ class _Request(BaseModel):
         return data
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
@@ -70,7 +80,14 @@ class _SamplingFields(_Request):
     logit_bias: Optional[dict[str, float]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # OpenAI fields without effect here (NO_EFFECT_FIELDS)
     user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
     # vLLM's extras
     top_k: Optional[Int64] = None
     min_p: float = 0.0
@@ -85,6 +102,14 @@ class _SamplingFields(_Request):
     cache_salt: Optional[str] = None
     # vLLM's name: SamplingParams.extra_args, read by third-party logits processors
     vllm_xargs: Optional[dict[str, Union[str, Int64, float, bool, None, list[Union[str, Int64, float, bool, None]]]]] = None
+
+    @model_validator(mode="after")
+    def _log_no_effect_fields(self) -> "_SamplingFields":
+        for name in NO_EFFECT_FIELDS:
+            if getattr(self, name) is not None and name not in _logged_no_effect:
+                _logged_no_effect.add(name)
+                logger.info("request field %r is accepted and has no effect on this server (logged once)", name)
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -119,10 +144,13 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+Role = Literal["system", "user", "assistant", "tool", "developer"]
 
-    role: str
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id... pass to the chat template
+
+    role: Role
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
     def text(self) -> str:
@@ -164,6 +192,3 @@ def now() -> int:
 def error_body(message: str, err_type: str = "BadRequestError", param: Optional[str] = None,
                code: int = 400) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-Role = Literal["system", "user", "assistant", "tool", "developer"]

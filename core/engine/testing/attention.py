@@ -1,0 +1,112 @@
+"""Kernel-level attention checks: a backend against a float64 reference on random paged batches (mixed
+prefill / decode, chunks after cached prefixes, GQA / MQA, sliding window, soft-capping, block sizes)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from engine.interfaces.attention import CommonAttentionMetadata
+
+VARIANTS = {"plain": (None, None), "window": (24, None), "softcap": (None, 30.0)}  # (sliding window, soft cap)
+
+
+def unsupported(backend: type, block_size: int, variant: str) -> Optional[str]:
+    """Why ``backend`` declares it cannot run this case (None: it must pass it)."""
+    sliding_window, soft_cap = VARIANTS[variant]
+    if (sliding_window and not backend.supports_sliding_window) or (soft_cap and not backend.supports_logits_soft_cap):
+        return f"{backend.name} does not support {variant}"
+    if backend.supported_block_sizes and block_size not in backend.supported_block_sizes:
+        return f"{backend.name} does not support block size {block_size}"
+    return None
+
+
+def make_case(seed: int, block_size: int, num_heads: int, num_kv_heads: int, head_size: int, dtype, device):
+    """Requests as (context_len, query_len): decodes, fresh prefills and chunks after cached prefixes."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(0, 37), (21, 1), (64, 1), (40, 13), (0, 1), (97, 30), (15, 1)]
+    num_blocks = 64
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, k_full, v_full, q_new = [], [], [], []
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    for context, query in shapes:
+        total = context + query
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(blocks)
+        k = torch.randn(total, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(total, num_kv_heads, head_size, generator=gen)
+        for pos in range(context):  # the cached prefix is already in the paged cache
+            cache[0, blocks[pos // block_size], pos % block_size] = k[pos].to(dtype)
+            cache[1, blocks[pos // block_size], pos % block_size] = v[pos].to(dtype)
+        k_full.append(k)
+        v_full.append(v)
+        q_new.append(torch.randn(query, num_heads, head_size, generator=gen))
+    query_lens = np.array([q for _, q in shapes])
+    context_lens = np.array([c for c, _ in shapes])
+    qsl = np.concatenate([[0], np.cumsum(query_lens)])
+    max_blocks = max(len(t) for t in tables)
+    block_table = np.zeros((len(shapes), max_blocks), dtype=np.int32)
+    for row, table in enumerate(tables):
+        block_table[row, :len(table)] = table
+    positions = np.concatenate([np.arange(c, c + q) for c, q in shapes])
+    rows = np.repeat(np.arange(len(shapes)), query_lens)
+    slots = block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    seq_lens = context_lens + query_lens
+    common = CommonAttentionMetadata(
+        torch.from_numpy(qsl.astype(np.int32)), torch.from_numpy(seq_lens.astype(np.int32)),
+        torch.from_numpy(context_lens.astype(np.int32)), torch.from_numpy(block_table), torch.from_numpy(slots),
+        int(query_lens.max()), int(seq_lens.max()), qsl, seq_lens, context_lens)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(k_full, shapes)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(v_full, shapes)])
+    return dict(common=common, cache=cache.to(device), q=torch.cat(q_new), k=new_k, v=new_v, shapes=shapes,
+                k_full=k_full, v_full=v_full, q_list=q_new)
+
+
+def reference(case, scale, num_heads, num_kv_heads, sliding_window, soft_cap):
+    """Dense float64 attention of each new token over its request's keys up to its own position."""
+    outputs = []
+    group = num_heads // num_kv_heads
+    for (context, query), k, v, q in zip(case["shapes"], case["k_full"], case["v_full"], case["q_list"]):
+        k = k.double().repeat_interleave(group, dim=1)
+        v = v.double().repeat_interleave(group, dim=1)
+        for i in range(query):
+            pos = context + i
+            start = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            scores = torch.einsum("hd,khd->hk", q[i].double(), k[start:pos + 1]) * scale
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[start:pos + 1]))
+    return torch.stack(outputs)
+
+
+def check_backend(backend: type, device: str, block_size: int, num_heads: int, num_kv_heads: int, variant: str,
+                  dtype: torch.dtype, head_size: int = 64) -> None:
+    """AssertionError unless ``backend`` gives the reference's outputs on the case and writes the new K/V
+    into their cache slots."""
+    sliding_window, soft_cap = VARIANTS[variant]
+    backend_name = backend.name
+    case = make_case(block_size + num_heads, block_size, num_heads, num_kv_heads, head_size, dtype, device)
+    canonical = case["cache"].shape  # [2, blocks, block_size, kv_heads, head_size]
+    layout = backend.get_kv_cache_shape(canonical[1], block_size, num_kv_heads, head_size)
+    head_major = layout == (canonical[0], canonical[1], num_kv_heads, block_size, head_size)
+    assert layout == canonical or head_major, f"{backend_name}: test knows no cache layout {layout}"
+    if head_major:
+        case["cache"] = case["cache"].transpose(2, 3).contiguous()
+    scale = 1 / math.sqrt(head_size)
+    impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, sliding_window, soft_cap, {})
+    builder = backend.get_builder_cls()({}, torch.device(device), block_size, sliding_window)
+    metadata = builder.build(case["common"])
+    tokens = case["q"].shape[0]
+    out = impl.forward(case["q"].to(device, dtype).reshape(tokens, -1), case["k"].to(device, dtype).reshape(tokens, -1),
+                       case["v"].to(device, dtype).reshape(tokens, -1), case["cache"], metadata)
+    expected = reference(case, scale, num_heads, num_kv_heads, sliding_window, soft_cap)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.view(tokens, num_heads, head_size).double().cpu(), expected,
+                               atol=tolerance, rtol=tolerance)
+    # the new K/V landed in their slots
+    slots = case["common"].slot_mapping.to(device)
+    key_cache = case["cache"][0].transpose(1, 2) if head_major else case["cache"][0]
+    cached_k = key_cache.reshape(-1, num_kv_heads, head_size)[slots]
+    torch.testing.assert_close(cached_k.float().cpu(), case["k"].to(dtype).float())

@@ -1,0 +1,67 @@
+"""Layer kernels match the built-in ``native`` torch ops (RMSNorm, fused add + RMSNorm, SiLU-and-multiply,
+RoPE, packed linear products), in float32 and bfloat16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.testing.conformance.conftest import implementation
+
+
+@pytest.fixture
+def kernels(layer_kernels_name):
+    return implementation("layer_kernels", layer_kernels_name).create()
+
+
+def tolerance(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_elementwise_kernels_match_native(kernels, dtype):
+    from engine.model.layers.native_kernels import NativeLayerKernels
+
+    native = NativeLayerKernels()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    residual = torch.randn(7, 96, generator=gen).to(dtype)
+    weight = torch.rand(96, generator=gen).to(dtype) + 0.5
+    torch.testing.assert_close(kernels.rms_norm(x.clone(), weight, 1e-6), native.rms_norm(x.clone(), weight, 1e-6),
+                               **tolerance(dtype))
+    got = kernels.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    want = native.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tolerance(dtype))
+    gate_up = torch.randn(7, 2 * 96, generator=gen).to(dtype)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up.clone()), native.silu_and_mul(gate_up.clone()),
+                               **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_embedding_matches_native(kernels, dtype):
+    from engine.model.layers.native_kernels import NativeLayerKernels
+
+    head_size, heads, kv_heads, tokens = 64, 4, 2, 9
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
+    angles = torch.outer(torch.arange(512, dtype=torch.float32), inv_freq)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)  # rotate_half's sign folded in
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    query = torch.randn(tokens, heads * head_size, generator=gen).to(dtype)
+    key = torch.randn(tokens, kv_heads * head_size, generator=gen).to(dtype)
+    got = kernels.rotary_embedding(positions, query.clone(), key.clone(), cos, sin, head_size)
+    want = NativeLayerKernels().rotary_embedding(positions, query.clone(), key.clone(), cos, sin, head_size)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tolerance(dtype))
+
+
+def test_packed_products_equal_the_plain_product(kernels):
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    product = kernels.pack_linear(weight, bias)
+    if product is None:
+        pytest.skip("this implementation keeps the plain product")
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 32, generator=gen)
+        torch.testing.assert_close(product(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,54 @@
+"""The code in docs/plugins.md runs: every example defines what it says, and the small ones work."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine.config import VllmConfig
+from engine.interfaces.sampler import SamplingMetadata
+
+DOC = Path(__file__).parent.parent / "docs" / "plugins.md"
+
+
+@pytest.fixture(scope="module")
+def examples() -> dict:
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S):
+        exec(compile(block, str(DOC), "exec"), namespace)  # in order, in one namespace, as the page reads
+    return namespace
+
+
+def test_every_example_defines_a_plugin_class(examples):
+    from engine.interfaces.base import Pluggable
+
+    names = {"MyKernelBackend", "ForceToken", "InlineExecutor", "GumbelSampler", "NeverHitCoordinator",
+             "TanhSiluKernels", "MyLlamaForCausalLM"}
+    assert names <= set(examples)
+    assert all(issubclass(examples[n], Pluggable) for n in names - {"MyLlamaForCausalLM"})
+
+
+def test_the_sampler_example_samples_the_distribution_and_honours_seeds(examples):
+    sampler = examples["GumbelSampler"](VllmConfig.load())
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5]).repeat(20000, 1)
+    rows = len(logits)
+    meta = SamplingMetadata(torch.full((rows,), 1.0), None, None, False, True)
+    counts = torch.bincount(sampler(logits, meta).sampled_token_ids, minlength=6).double()
+    expected = torch.softmax(logits[0].double(), dim=0) * rows
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+    seeded = SamplingMetadata(torch.tensor([1.0, 0.0]), None, None, False, False,
+                              seeds=torch.tensor([7, 0]), seeded=torch.tensor([True, False]),
+                              output_index=torch.tensor([3, 0]))
+    first = sampler(logits[:2], seeded).sampled_token_ids
+    assert first[1] == 0  # the greedy row
+    assert all(sampler(logits[:2], seeded).sampled_token_ids[0] == first[0] for _ in range(5))
+
+
+def test_the_layer_kernels_example_matches_native(examples):
+    from engine.model.layers.native_kernels import NativeLayerKernels
+
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(examples["TanhSiluKernels"]().silu_and_mul(x), NativeLayerKernels().silu_and_mul(x))
