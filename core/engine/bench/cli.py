@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 
+from engine.bench.neighbours import noisy_neighbours
 from engine.bench.stats import environment, write_json
 from engine.config import ConfigError
 from engine.entrypoints.config_flags import add_config_flags, config_overrides_from_args
@@ -31,6 +32,11 @@ def _workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--workload-seed", dest="workload_seed", type=int, default=0)
 
 
+def _neighbour_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--noisy-neighbour", "--noisy-neighbor", dest="noisy_neighbour", type=int, default=0,
+                        metavar="N", help="run N busy processes through every measured run (engine and peers alike)")
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks (JSON + PNG output)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -50,8 +56,17 @@ def add_bench_parser(sub) -> None:
                                                         "(default ../shared/bench/peer_vllm_cpu.py)")
     tp.add_argument("--output", help="write the results as JSON")
     tp.add_argument("--plot", help="write a PNG bar chart of total tokens/s per variant")
+    tp.add_argument("--no-bound", dest="bound", action="store_false",
+                    help="skip measuring the machine's best products (the bound each result is a share of)")
+    _neighbour_flag(tp)
     add_config_flags(tp)
     tp.set_defaults(func=cmd_throughput)
+
+    kn = kinds.add_parser("kernels", help="the linear products chosen by measurement for a model on this machine")
+    kn.add_argument("--output", help="write the table as JSON")
+    kn.add_argument("--plot", help="PNG: GFLOP/s of every candidate per shape and row bucket")
+    add_config_flags(kn)
+    kn.set_defaults(func=cmd_kernels)
 
     lat = kinds.add_parser("latency", help="one batch, several iterations: mean and p50/p90/p99")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -61,6 +76,7 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--warmup", type=int, default=1)
     lat.add_argument("--output")
     lat.add_argument("--plot", help="PNG: CDF of the batch latencies")
+    _neighbour_flag(lat)
     add_config_flags(lat)
     lat.set_defaults(func=cmd_latency)
 
@@ -69,16 +85,26 @@ def add_bench_parser(sub) -> None:
     st.add_argument("--output")
     st.set_defaults(func=cmd_startup)
 
-    srv = kinds.add_parser("serve", help="drive a running OpenAI-compatible server with Poisson arrivals")
+    srv = kinds.add_parser("serve", help="drive an OpenAI-compatible server with Poisson arrivals; with "
+                                         "--compare-peer vllm-cpu, launch engine serve and vLLM's server in turn")
     srv.add_argument("--url", default="http://127.0.0.1:8000")
     srv.add_argument("--served-model", dest="served_model", default=None, help="model name to send")
     srv.add_argument("--api-key", default=None)
-    srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
+    srv.add_argument("--request-rate", default="inf",
+                     help="requests per second (inf: all at once); a comma-separated list runs each rate in turn")
     srv.add_argument("--max-concurrency", type=int, default=None)
     _workload_flags(srv, "random")
     srv.add_argument("--model", default=None, help="tokenizer source for a JSONL workload")
+    srv.add_argument("--compare-peer", choices=["vllm-cpu"], default=None,
+                     help="launch `engine serve` (with the arguments after --) and vLLM's OpenAI server from "
+                          "--peer-python on --peer-model, one after the other, and drive both with the same load")
+    srv.add_argument("--peer-python", help="vllm-cpu: the interpreter of a virtual environment holding vllm-cpu")
+    srv.add_argument("--peer-model", help="vllm-cpu: the model as a Hugging Face folder")
     srv.add_argument("--output")
-    srv.add_argument("--plot", help="PNG: CDFs of TTFT and end-to-end latency")
+    srv.add_argument("--plot", help="PNG: CDFs of TTFT and end-to-end latency (side by side bars with a peer)")
+    _neighbour_flag(srv)
+    srv.add_argument("serve_args", nargs=argparse.REMAINDER,
+                     help="--compare-peer: arguments for the launched `engine serve` (after --)")
     srv.set_defaults(func=cmd_serve)
 
 
@@ -138,8 +164,15 @@ def cmd_throughput(args) -> int:
         info = resolve_model(VllmConfig.load(**base).model)
         peers.append(("transformers (peer)", transformers_peer(info, requests, args.temperature, info.dtype),
                       "ratio_to_peer"))
-    results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats,
-                                [(label, runner) for label, runner, _ in peers])
+    bounds = _bounds(base, variants, requests) if args.bound else {}
+    with noisy_neighbours(args.noisy_neighbour):
+        results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats,
+                                    [(label, runner) for label, runner, _ in peers])
+    for result in results:
+        bound = bounds.get(result["config"].get("model.dtype", base.get("model", {}).get("dtype")))
+        if bound:
+            result["bound_tokens_per_s"] = bound["bound_tokens_per_s"]
+            result["share_of_bound"] = result["total_tokens_per_s"] / bound["bound_tokens_per_s"]
     by_label = {result["variant"]: result for result in results}
     for label, _, ratio_key in peers:
         for result in results:
@@ -147,10 +180,15 @@ def cmd_throughput(args) -> int:
     _print_table(results, [("variant", "variant"), ("total_tokens_per_s", "total tok/s"),
                            ("output_tokens_per_s", "output tok/s"), ("requests_per_s", "req/s"),
                            ("ratio_to_first", "ratio"), ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
-                           ("ratio_to_peer", "vs transformers"), ("peak_rss_mib", "peak RSS MiB")])
+                           ("ratio_to_peer", "vs transformers"), ("share_of_bound", "of bound"),
+                           ("peak_rss_mib", "peak RSS MiB")])
+    for dtype, bound in bounds.items():
+        print(f"bound ({dtype or 'model dtype'}): {bound['workload_tflop']} TFLOP at the best measured products "
+              f"(up to {bound['best_gflops']} GFLOP/s) = {bound['bound_tokens_per_s']} total tok/s at most")
     report = {"benchmark": "throughput", "workload": args.workload, "num_requests": len(requests),
               "prompt_tokens": sum(r.prompt_len for r in requests), "output_tokens": sum(r.output_len for r in requests),
               "temperature": args.temperature, "repeats": args.repeats, "base_config": base,
+              "noisy_neighbours": args.noisy_neighbour, "bounds": {str(k): v for k, v in bounds.items()},
               "environment": environment(), "results": results}
     if args.output:
         write_json(args.output, report)
@@ -159,7 +197,54 @@ def cmd_throughput(args) -> int:
 
         bar_plot(args.plot, [r["variant"] for r in results], [r["total_tokens_per_s"] for r in results],
                  "total tokens / s (prompt + output)", f"engine bench throughput: {args.workload}, {len(requests)} requests",
-                 [f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})" for r in results])
+                 [f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})"
+                  + (f"\n{100 * r['share_of_bound']:.0f}% of bound" if "share_of_bound" in r else "") for r in results],
+                 bound=next(iter(bounds.values()))["bound_tokens_per_s"] if len(bounds) == 1 else None)
+    return 0
+
+
+def _bounds(base: dict, variants: list[tuple[str, dict]], requests) -> dict:
+    """The workload's bound per model dtype among the variants (measured before any run, on a quiet machine)."""
+    from engine.bench.kernels import measure_products, workload_bound
+
+    bounds = {}
+    for _, overrides in variants:
+        dtype = overrides.get("model.dtype", base.get("model", {}).get("dtype"))
+        if dtype in bounds:
+            continue
+        config = {**base, "model": {**base.get("model", {}), **({"dtype": dtype} if dtype else {})}}
+        try:
+            report = measure_products(config, use_cache=False)
+        except SystemExit as exc:  # layer kernels that do not measure products: no bound, say why
+            print(f"no bound: {exc}")
+            return {}
+        bounds[dtype] = workload_bound(report, [r.prompt_len for r in requests], [r.output_len for r in requests])
+    return bounds
+
+
+def cmd_kernels(args) -> int:
+    require_bench_extra(*(["matplotlib"] if args.plot else []))
+    from engine.bench.kernels import measure_products, print_table
+
+    overrides = config_overrides_from_args(args)
+    report = measure_products(overrides)
+    table = report.table
+    where = f"measured in {table.seconds:.2f} s" if table.source == "measured" else f"read from {table.source}"
+    print(f"layer kernels '{report.layer_kernels}', {table.key['dtype']}, {table.key['threads']} threads, "
+          f"{table.key['cpu']} ({table.key['isa']}), {where}")
+    print_table(report)
+    if args.output:
+        write_json(args.output, {"benchmark": "kernels", "layer_kernels": report.layer_kernels,
+                                 "environment": environment(), **table.to_json()})
+    if args.plot:
+        from engine.bench.plot import grouped_bar_plot
+
+        rows = table.rows()
+        names = sorted({k[:-7] for r in rows for k in r if k.endswith("_gflops")})
+        grouped_bar_plot(args.plot, [f"{r['shape']}\n{r['bucket']} ({r['rows']})" for r in rows],
+                         {n: [r.get(f"{n}_gflops", 0.0) for r in rows] for n in names}, "GFLOP/s",
+                         f"engine bench kernels: {report.layer_kernels}, {table.key['isa']}, "
+                         f"{table.key['threads']} threads")
     return 0
 
 
@@ -167,8 +252,9 @@ def cmd_latency(args) -> int:
     require_bench_extra(*(["matplotlib"] if args.plot else []))
     from engine.bench.offline import run_latency
 
-    result = run_latency(config_overrides_from_args(args), args.batch_size, args.input_len, args.output_len,
-                         args.iterations, args.warmup)
+    with noisy_neighbours(args.noisy_neighbour):
+        result = run_latency(config_overrides_from_args(args), args.batch_size, args.input_len, args.output_len,
+                             args.iterations, args.warmup)
     print(json.dumps({k: v for k, v in result.items() if k != "latencies_s"}, indent=1))
     if args.output:
         write_json(args.output, {"benchmark": "latency", "environment": environment(), **result})
@@ -191,21 +277,63 @@ def cmd_startup(args) -> int:
     return 0
 
 
+def _rates(text: str) -> list[float]:
+    try:
+        return [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"--request-rate: {text!r} is not a number or a comma-separated list of numbers")
+
+
 def cmd_serve(args) -> int:
     require_bench_extra("httpx", *(["matplotlib"] if args.plot else []))
     from engine.bench.serve import run_serve_bench
     from engine.bench.workloads import make_workload
 
+    rates = _rates(args.request_rate)
     requests = make_workload(args.workload, args)
-    result = asyncio.run(run_serve_bench(args.url, requests, args.request_rate, args.served_model, args.api_key,
-                                         args.workload_seed, args.max_concurrency))
-    summary = {k: v for k, v in result.items() if not k.endswith("_all")}
-    print(json.dumps(summary, indent=1))
+    if args.compare_peer:
+        return _serve_side_by_side(args, requests, rates)
+    with noisy_neighbours(args.noisy_neighbour):
+        results = [asyncio.run(run_serve_bench(args.url, requests, rate, args.served_model, args.api_key,
+                                               args.workload_seed, args.max_concurrency)) for rate in rates]
+    for result in results:
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_all")}, indent=1))
     if args.output:
-        write_json(args.output, {"benchmark": "serve", **result})
+        write_json(args.output, {"benchmark": "serve", **results[0]} if len(results) == 1 else
+                   {"benchmark": "serve", "runs": results})
     if args.plot:
         from engine.bench.plot import cdf_plot
 
-        cdf_plot(args.plot, {"TTFT": result["ttft_s_all"], "end-to-end": result["e2e_s_all"]}, "seconds",
-                 f"engine bench serve: {result['completed']} requests at {args.request_rate}/s")
-    return 0 if result["failed"] == 0 else 1
+        cdf_plot(args.plot, {f"{label} @ {r['request_rate']:g}/s": r[f"{key}_all"] for r in results
+                             for label, key in (("TTFT", "ttft_s"), ("end-to-end", "e2e_s"))}, "seconds",
+                 f"engine bench serve: {results[0]['num_requests']} requests")
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _serve_side_by_side(args, requests, rates: list[float]) -> int:
+    from engine.bench.serve_compare import (METRICS, compare_servers, engine_server, print_comparison,
+                                            vllm_server)
+
+    parser = argparse.ArgumentParser(prog="engine serve")
+    add_config_flags(parser)
+    overrides = config_overrides_from_args(parser.parse_args([a for a in args.serve_args if a != "--"]))
+    dtype = overrides.get("model", {}).get("dtype", "float32")
+    try:
+        servers = [engine_server(overrides), vllm_server(args.peer_python, args.peer_model, dtype)]
+    except ValueError as exc:
+        raise SystemExit(f"--compare-peer vllm-cpu: {exc}")
+    with noisy_neighbours(args.noisy_neighbour):
+        rows = compare_servers(servers, requests, rates, args.workload_seed)
+    print_comparison(rows)
+    if args.output:
+        write_json(args.output, {"benchmark": "serve", "compare_peer": args.compare_peer, "rates": rates,
+                                 "engine_config": overrides, "noisy_neighbours": args.noisy_neighbour,
+                                 "environment": environment(), "runs": rows})
+    if args.plot:
+        from engine.bench.plot import grouped_bar_plot
+
+        groups = [f"{m[:-3].upper()} {q}" for m in METRICS[:3] for q in ("p50", "p99")]
+        series = {f"{r['server']} @ {r['request_rate']:g}/s": [r[m][q] for m in METRICS[:3] for q in ("median", "p99")]
+                  for r in rows}
+        grouped_bar_plot(args.plot, groups, series, "milliseconds", f"engine bench serve: {len(requests)} requests")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

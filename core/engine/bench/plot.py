@@ -9,11 +9,15 @@ import numpy as np  # noqa: E402
 
 
 def bar_plot(path: str, labels: list[str], values: list[float], ylabel: str, title: str,
-             annotations: list[str] | None = None) -> None:
+             annotations: list[str] | None = None, bound: float | None = None) -> None:
+    """One bar per variant; ``bound`` draws the workload's bound as a dashed line."""
     fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(labels) + 2), 4))
     bars = ax.bar(labels, values, color=plt.cm.tab10(np.arange(len(labels)) % 10))
     for bar, text in zip(bars, annotations or [f"{v:.1f}" for v in values]):
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    if bound:
+        ax.axhline(bound, color="grey", linestyle="--", linewidth=1)
+        ax.annotate(f"bound {bound:.0f}", (0, bound), xycoords=("axes fraction", "data"), va="bottom", color="grey")
     ax.set_ylabel(ylabel)
     ax.set_xlabel("variant")
     ax.set_title(title)
@@ -34,6 +38,22 @@ def cdf_plot(path: str, series: dict[str, list[float]], xlabel: str, title: str)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def grouped_bar_plot(path: str, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str) -> None:
+    """Bars of several series side by side in each group (e.g. GFLOP/s of each product per shape)."""
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(groups) * max(1, len(series)) / 2 + 2), 4.5))
+    width = 0.8 / max(1, len(series))
+    x = np.arange(len(groups))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar(x + i * width - 0.4 + width / 2, values, width, label=name)
+    ax.set_xticks(x, groups, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -19,6 +19,10 @@ class LayerKernels(Pluggable):
     """Kernels for RMSNorm, SiLU-and-multiply, rotary embeddings and the linear layers' products;
     chosen by ``device.layer_kernels``."""
 
+    def configure(self, vllm_config) -> None:
+        """Read the engine's settings (the worker calls it once, before loading; ``device.kernel_cache`` says
+        whether measured kernel choices may be read from the disk cache)."""
+
     def process_weights_after_loading(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         """Prepare the loaded model's weights for these kernels (the loader calls it once, after every weight
         is loaded). By default every linear product goes through ``pack_linear``; a device's policy (such as

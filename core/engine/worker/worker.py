@@ -13,6 +13,7 @@ from engine.interfaces.base import SelectionContext
 from engine.model.model_info import resolve_model
 from engine.devices import resolve_device
 from engine.plugins import get_plugin_manager
+from engine.thread_policy import warn_if_not_in_effect
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class Worker:
             threads = max(1, (os.cpu_count() or 1) // world)  # ranks share the cores; oversubscribed OpenMP crawls
         if threads:
             torch.set_num_threads(threads)
+        if device_name == "cpu":
+            warn_if_not_in_effect()
         torch.manual_seed(self.vllm_config.model.seed)
         init_tensor_parallel(self.rank, world, self.distributed_init_method or "env://",
                              "nccl" if device_name == "cuda" else "gloo")
@@ -50,8 +53,10 @@ class Worker:
         sampler = plugins.select("sampler", self.plugin_choices["sampler"], ctx)
         kernels = plugins.select("layer_kernels", self.plugin_choices["layer_kernels"], ctx)
         processors = [impl.create(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
+        layer_kernels = kernels.cls()
+        layer_kernels.configure(self.vllm_config)
         self.model_runner = ModelRunner(self.vllm_config, info, self.device, attention.cls,
-                                        sampler.create(self.vllm_config), processors, kernels.cls())
+                                        sampler.create(self.vllm_config), processors, layer_kernels)
         self.model_runner.load_model()
 
     def get_kv_cache_spec(self):

@@ -1,6 +1,7 @@
 """The ``cpu`` LayerKernels: RMSNorm (with its residual add), SiLU-and-multiply and RoPE, each one
 pass over its rows in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops, and the linear
-products on weights packed for an AVX2 GEMM (``gemm.py``, ``csrc/gemm.cpp``).
+products on weights packed for an AVX2 GEMM (``gemm.py``, ``csrc/gemm.cpp``) where it measures faster than
+torch's products on the model's shapes (``engine.model.layers.product_choice``).
 
 Inputs the kernels do not take (another device, float64, odd RoPE sizes, 16-bit weights on a CPU
 with native 16-bit GEMMs) go to the native torch ops.
@@ -13,6 +14,7 @@ import torch
 
 from engine.interfaces.base import SelectionContext
 from engine.model.layers.native_kernels import NativeLayerKernels
+from engine.model.layers.product_choice import ProductCandidate
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,10 +46,20 @@ class CpuLayerKernels(NativeLayerKernels):
             reasons.append("its C++ kernels are not built (pip install --no-build-isolation plugins/attention_cpu)")
         return reasons
 
-    def pack_linear(self, weight, bias=None):
+    def product_candidates(self, dtype):
+        """This plugin's AVX2 GEMM (where built with it) beside torch's products; the fastest on each shape and
+        row bucket wins (``engine bench kernels`` shows the table)."""
+        candidates = super().product_candidates(dtype)
+        if self._gemm:
+            from engine_attention_cpu.gemm import CpuPackedLinear
+
+            candidates.insert(0, ProductCandidate("cpu-avx2", lambda w, b: CpuPackedLinear(w, b)))
+        return candidates
+
+    def fixed_product(self, weight, bias=None):
         """The AVX2 GEMM for float32 weights on the CPU; oneDNN's product where the CPU lacks AVX2."""
         if not (self._gemm and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2):
-            return super().pack_linear(weight, bias)
+            return super().fixed_product(weight, bias)
         from engine_attention_cpu.gemm import CpuPackedLinear
 
         return CpuPackedLinear(weight, bias)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.model.layers.linear import linear_layers
+from engine.model.layers.product_choice import ProductCandidate
 
 logger = logging.getLogger(__name__)
 
@@ -68,3 +69,44 @@ def onednn_packed_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     except RuntimeError as exc:
         logger.info("linear layers stay on the plain GEMM: %s", exc)
         return None
+
+
+class PlainProduct:
+    """``F.linear`` with the weight in ``dtype`` (MKL's float32 GEMM, or oneDNN's native 16-bit one), returning
+    x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype),
+                                         self.weight, self.bias)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+class PackedHalfLinear:
+    """oneDNN's native 16-bit product on a weight reordered once (CPUs with AVX-512-BF16 / AMX / AVX-512-FP16),
+    float32 accumulation, returning x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        self.dtype = dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous())
+        self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype).contiguous(), self.packed, self.bias, "none", [], "")
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def native_product_candidates(dtype: torch.dtype) -> list[ProductCandidate]:
+    """The products torch offers on this CPU for a model in ``dtype``: oneDNN's packed float32 product, MKL's
+    plain one, and, where the CPU computes 16-bit products natively, oneDNN's packed and plain 16-bit ones."""
+    candidates = [ProductCandidate("onednn", lambda w, b: PackedLinear(w, b)
+                                   if torch.backends.mkldnn.is_available() else None),
+                  ProductCandidate("torch", lambda w, b: PlainProduct(w, b, torch.float32))]
+    if dtype in _HALF and cpu_has_half_gemm(dtype):
+        name = str(dtype).replace("torch.", "")
+        candidates += [ProductCandidate(f"onednn-{name}", lambda w, b: PackedHalfLinear(w, b, dtype)),
+                       ProductCandidate(f"torch-{name}", lambda w, b: PlainProduct(w, b, dtype))]
+    return candidates

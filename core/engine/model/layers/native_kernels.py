@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from engine import hookimpl
 from engine.interfaces.layer_kernels import LayerKernels
-from engine.model.layers.gemm import onednn_packed_linear, widen_gemm_weights
+from engine.model.layers.gemm import native_product_candidates, onednn_packed_linear, widen_gemm_weights
 from engine.model.layers.linear import pack_linear_layers
+from engine.model.layers.product_choice import (ProductCandidate, ProductTable, bucketed_product, choose_products,
+                                                log_table, model_shapes)
 
 
 class NativeLayerKernels(LayerKernels):
@@ -21,14 +23,43 @@ class NativeLayerKernels(LayerKernels):
     def __init__(self):
         # the last step's (positions, cos table, cos rows, sin rows): gathered once per forward, not per layer
         self._rope_rows: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        self.kernel_cache = True
+        self.product_table: Optional[ProductTable] = None
+        self._candidates: dict[str, ProductCandidate] = {}
+
+    def configure(self, vllm_config) -> None:
+        self.kernel_cache = vllm_config.device.kernel_cache
 
     def process_weights_after_loading(self, model, dtype, device):
-        """CPU policy: on a CPU without native ``dtype`` GEMMs the linear weights are kept in float32; then
-        every product is packed (``pack_linear``)."""
+        """CPU policy: on a CPU without native ``dtype`` GEMMs the linear weights are kept in float32; then the
+        candidate products (``product_candidates``) are timed on the model's weight shapes (or the timing is read
+        from the disk cache) and every layer gets the fastest per row bucket."""
         widened = widen_gemm_weights(model, dtype, device)
+        if device.type == "cpu":
+            candidates = self.product_candidates(dtype)
+            self._candidates = {c.name: c for c in candidates}
+            weight_dtype = torch.float32 if widened else dtype
+            self.product_table = choose_products(model_shapes(model), candidates, dtype, weight_dtype,
+                                                 use_cache=self.kernel_cache)
+            log_table(self.product_table)
         pack_linear_layers(model, self.pack_linear, head_in_float32=widened)
 
+    def product_candidates(self, dtype: torch.dtype) -> list[ProductCandidate]:
+        """The CPU products to choose among by measurement (a plugin adds its own kernels to these)."""
+        return native_product_candidates(dtype)
+
     def pack_linear(self, weight, bias=None):
+        """The product measured fastest for this weight's shape (per row bucket); without a measurement (a
+        weight packed outside ``process_weights_after_loading``), ``fixed_product``."""
+        table = self.product_table
+        if table is not None and weight.dim() == 2 and weight.device.type == "cpu":
+            key = "x".join(map(str, weight.shape))
+            choice = table.choices.get(key) or table.choices.get(key + " head")
+            if choice is not None:
+                return bucketed_product(choice, self._candidates, weight, bias)
+        return self.fixed_product(weight, bias)
+
+    def fixed_product(self, weight, bias=None):
         """oneDNN's packed float32 product on CPUs (:class:`~engine.model.layers.gemm.PackedLinear`)."""
         return onednn_packed_linear(weight, bias)
 

@@ -2,14 +2,15 @@
 //
 // The weight is packed once, at load, into panels of 16 output columns ([N/16][K][16], the last panel
 // zero-padded). Each product packs x into panels of 6 rows ([K chunk][M/6][kc][6]) and runs a 6x16
-// register-tile kernel: 12 accumulators, two weight loads and six broadcasts per step of k. Both
-// threads share the packed x and each takes its own contiguous range of weight panels, so a core
-// streams only its half of the weights. Every output element is one fused multiply-add chain over k
+// register-tile kernel: 12 accumulators, two weight loads and six broadcasts per step of k. The
+// threads share the packed x; each owns a contiguous range of weight panels and, once done, takes
+// panels from the back of the others' ranges (work stealing: robust to a core taken by another process). Every output element is one fused multiply-add chain over k
 // in order (K in chunks of at most 576): a row's result does not depend on the other rows of the batch.
 #include <torch/extension.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -22,6 +23,7 @@ constexpr int64_t kRows = 6;       // rows of the register tile
 constexpr int64_t kCols = 16;      // columns of the register tile (two AVX2 vectors); the panel width
 constexpr int64_t kMaxChunk = 576; // most k per pass: a 6-row x panel stays in L1, a weight panel in L2
 constexpr int64_t kRowBlock = 72;  // rows of x whose packed panels stay in L2 while the weight panels pass
+constexpr int64_t kRowBlockFloats = 40960;  // at most 160 KiB of packed x per row block (over every k chunk)
 
 int64_t chunk_size(int64_t k) {
   const int64_t chunks = (k + kMaxChunk - 1) / kMaxChunk;
@@ -103,6 +105,36 @@ void pack_row_panel(const float* x, int64_t ldx, int64_t m, int64_t p, int64_t k
   }
 }
 
+// A thread's share of the work items, [front, back), taken from the front by its owner and from the back
+// by threads that have finished their own; both ends in one atomic word.
+struct alignas(64) ItemRange {
+  std::atomic<uint64_t> bounds{0};
+  int64_t first_panel = 0, width = 1;  // the panels whose items these are
+  void reset(int64_t front, int64_t back) { bounds.store((static_cast<uint64_t>(back) << 32) | front); }
+  bool take_front(int64_t& item) {
+    uint64_t cur = bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = cur & 0xffffffffu, back = cur >> 32;
+      if (front >= back) return false;
+      if (bounds.compare_exchange_weak(cur, (back << 32) | (front + 1), std::memory_order_acq_rel)) {
+        item = static_cast<int64_t>(front);
+        return true;
+      }
+    }
+  }
+  bool take_back(int64_t& item) {
+    uint64_t cur = bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = cur & 0xffffffffu, back = cur >> 32;
+      if (front >= back) return false;
+      if (bounds.compare_exchange_weak(cur, ((back - 1) << 32) | front, std::memory_order_acq_rel)) {
+        item = static_cast<int64_t>(back - 1);
+        return true;
+      }
+    }
+  }
+};
+
 std::vector<float>& packed_x_buffer() {  // the caller's, grown once: products must not map fresh pages each call
   thread_local std::vector<float> buffer;
   return buffer;
@@ -164,31 +196,50 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optio
   // two threads only pay off when each has a few tiles of work
   const int threads = (m * n * k >= (int64_t)1 << 18) ? at::get_num_threads() : 1;
 
+  // Work items are (row block, weight panel) pairs, each computed over every k chunk by one thread in the same
+  // order whoever takes it (a result does not depend on the split). Each thread owns the items of a contiguous
+  // range of panels, row block by row block (the static split: a row block of packed x stays in L2 while the
+  // thread's panels pass over it), and takes them from the front; a thread that runs out takes items from the
+  // back of the others' ranges. So a thread that loses its core to another process for a while leaves the
+  // rest of its share to the others instead of holding every thread up at the end.
+  const int64_t block_rows = std::max<int64_t>(kRows, std::min<int64_t>(kRowBlock, kRowBlockFloats / k / kRows * kRows));
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  std::vector<ItemRange> ranges(threads);
+  for (int t = 0; t < threads; ++t) {
+    ranges[t].first_panel = panels * t / threads;
+    ranges[t].width = panels * (t + 1) / threads - ranges[t].first_panel;
+    ranges[t].reset(0, ranges[t].width * row_blocks);
+  }
+
 #pragma omp parallel num_threads(threads)
   {
-    const int t = omp_get_thread_num(), team = omp_get_num_threads();
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(dynamic) collapse(2)
     for (int64_t k0 = 0; k0 < k; k0 += kc_max)
       for (int64_t p = 0; p < row_panels; ++p) {
         const int64_t kc = std::min(kc_max, k - k0);
         pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * kRows * kc);
       }
     // implicit barrier: every thread reads all of packed x
-    const int64_t p0 = panels * t / team, p1 = panels * (t + 1) / team;
-    for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-      const int64_t kc = std::min(kc_max, k - k0);
-      const float* chunk = ax + k0 * chunk_stride;
-      for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
-        const int64_t i1 = std::min(m, i0 + kRowBlock);
-        for (int64_t q = p0; q < p1; ++q) {
-          const float* panel = w + (q * k + k0) * kCols;
-          const int64_t cols = std::min(kCols, n - q * kCols);
-          const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
-          for (int64_t i = i0; i < i1; i += kRows)
-            tile_rows(std::min(kRows, m - i), kc, chunk + (i / kRows) * kRows * kc, panel, c + i * n + q * kCols, n,
-                      cols, k0 == 0, panel_bias);
-        }
+    auto compute = [&](const ItemRange& range, int64_t item) {
+      const int64_t i0 = (item / range.width) * block_rows, i1 = std::min(m, i0 + block_rows);
+      const int64_t q = range.first_panel + item % range.width;
+      const int64_t cols = std::min(kCols, n - q * kCols);
+      const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
+      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        const float* chunk = ax + k0 * chunk_stride;
+        const float* panel = w + (q * k + k0) * kCols;
+        for (int64_t i = i0; i < i1; i += kRows)
+          tile_rows(std::min(kRows, m - i), kc, chunk + (i / kRows) * kRows * kc, panel, c + i * n + q * kCols, n,
+                    cols, k0 == 0, panel_bias);
       }
+    };
+    const int t = omp_get_thread_num();
+    int64_t item;
+    while (ranges[t].take_front(item)) compute(ranges[t], item);
+    for (int other = 1; other < threads; ++other) {
+      ItemRange& range = ranges[(t + other) % threads];
+      while (range.take_back(item)) compute(range, item);
     }
   }
 #else

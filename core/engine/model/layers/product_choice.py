@@ -1,0 +1,278 @@
+"""Linear products chosen by measurement: each candidate product (a layer-kernels plugin's own GEMM, oneDNN's
+packed product, the plain torch product, a native 16-bit product) is timed on the model's own weight shapes at
+a single-row, a decode-batch and a prompt-chunk row count, and every layer uses the fastest per row bucket.
+
+The choice is cached on disk (``$XDG_CACHE_HOME/engine/products/``, keyed by the CPU's model name and flags,
+the torch version, the thread count, the dtype, the candidates and the shapes), so an engine measures once per
+machine and model; ``device.kernel_cache = false`` (``--no-kernel-cache``) measures again.
+``engine bench kernels`` prints the table.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from engine.model.layers.linear import PackedProduct
+
+logger = logging.getLogger(__name__)
+
+CHOICE_VERSION = 1  # bump when the measurement changes meaning: old cache entries are then ignored
+
+
+@dataclass(frozen=True)
+class RowBucket:
+    """Products with at most ``max_rows`` rows use the candidate fastest at ``measured_rows``."""
+
+    name: str
+    max_rows: float
+    measured_rows: int
+
+
+ROW_BUCKETS = (RowBucket("single", 8, 1), RowBucket("decode", 192, 64), RowBucket("prompt", math.inf, 512))
+
+
+@dataclass(frozen=True)
+class ProductCandidate:
+    """One way to run ``x @ weight.T + bias``: ``make(weight, bias)`` prepares it for a weight (None where it
+    cannot take that weight)."""
+
+    name: str
+    make: Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[PackedProduct]]
+
+
+@dataclass(frozen=True)
+class ProductShape:
+    """A weight shape of the model: ``out_features x in_features``; the LM head runs on sampled rows only
+    (never a prompt chunk), so its prompt bucket takes the decode bucket's choice."""
+
+    out_features: int
+    in_features: int
+    is_head: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.out_features}x{self.in_features}" + (" head" if self.is_head else "")
+
+
+@dataclass
+class ProductChoice:
+    """The measurements for one shape: GFLOP/s of every candidate per bucket, and the fastest."""
+
+    shape: ProductShape
+    gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # bucket -> candidate -> GFLOP/s
+    chosen: dict[str, str] = field(default_factory=dict)  # bucket -> candidate
+
+    def best_gflops(self, bucket: str) -> float:
+        """The fastest candidate's rate in ``bucket`` (the decode bucket's for a head's prompt bucket)."""
+        rates = self.gflops.get(bucket) or self.gflops[ROW_BUCKETS[1].name]
+        return max(rates.values())
+
+
+@dataclass
+class ProductTable:
+    """Every shape's choice, where it came from (measured now, or read from the cache) and what it cost."""
+
+    choices: dict[str, ProductChoice]
+    source: str  # "measured" or the cache file read
+    seconds: float
+    key: dict
+
+    def rows(self) -> list[dict]:
+        """One flat row per (shape, bucket), for tables and JSON."""
+        out = []
+        for choice in self.choices.values():
+            for bucket in ROW_BUCKETS:
+                if bucket.name not in choice.gflops:
+                    continue
+                out.append({"shape": choice.shape.key, "bucket": bucket.name, "rows": bucket.measured_rows,
+                            "chosen": choice.chosen[bucket.name],
+                            **{f"{name}_gflops": round(v, 1) for name, v in choice.gflops[bucket.name].items()}})
+        return out
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "source": self.source, "seconds": round(self.seconds, 3), "table": self.rows()}
+
+
+def bucket_of(rows: int) -> RowBucket:
+    return next(b for b in ROW_BUCKETS if rows <= b.max_rows)
+
+
+class BucketedProduct:
+    """A layer's product dispatched by row count to the candidate chosen for that bucket."""
+
+    def __init__(self, in_features: int, products: list[tuple[float, PackedProduct]]):
+        self.in_features = in_features
+        self.products = products  # (max_rows, product), ascending
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        for max_rows, product in self.products:
+            if rows <= max_rows:
+                return product(x)
+        return self.products[-1][1](x)
+
+
+def cpu_identity() -> dict:
+    """The CPU's model name and a digest of its feature flags (two machines of one kind may differ here)."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name in ("", platform.machine(), platform.processor()):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"cpu": name, "isa": torch.backends.cpu.get_cpu_capability(),
+            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "engine", "products")
+
+
+def _time_candidates(products: dict[str, PackedProduct], x: torch.Tensor, rounds: int = 3,
+                     budget_s: float = 0.004) -> dict[str, float]:
+    """Seconds per call of each product (the best of ``rounds`` interleaved rounds, so a busy neighbour or a
+    frequency change hits every candidate alike and the minimum filters it out)."""
+    best = {}
+    for name, product in products.items():  # warm-up: first-call allocations and oneDNN's primitive cache
+        start = time.perf_counter()
+        product(x)
+        best[name] = time.perf_counter() - start
+    reps = {name: max(1, min(50, int(budget_s / max(t, 1e-6)))) for name, t in best.items()}
+    for _ in range(rounds):
+        for name, product in products.items():
+            start = time.perf_counter()
+            for _ in range(reps[name]):
+                product(x)
+            best[name] = min(best[name], (time.perf_counter() - start) / reps[name])
+    return best
+
+
+def measure_shape(shape: ProductShape, candidates: list[ProductCandidate], dtype: torch.dtype,
+                  weight_dtype: torch.dtype, generator: torch.Generator) -> ProductChoice:
+    """Time every candidate that takes this weight at each bucket's row count."""
+    weight = (torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.05).to(weight_dtype)
+    products = {}
+    for candidate in candidates:
+        try:
+            product = candidate.make(weight, None)
+        except RuntimeError as exc:  # a library primitive missing from this build of torch
+            logger.debug("product %s cannot run here: %s", candidate.name, exc)
+            product = None
+        if product is not None:
+            products[candidate.name] = product
+    choice = ProductChoice(shape)
+    for bucket in ROW_BUCKETS:
+        if shape.is_head and bucket.measured_rows > ROW_BUCKETS[1].measured_rows:
+            continue
+        x = torch.randn(bucket.measured_rows, shape.in_features, generator=generator).to(dtype)
+        seconds = _time_candidates(products, x)
+        flop = 2.0 * bucket.measured_rows * shape.out_features * shape.in_features
+        choice.gflops[bucket.name] = {name: flop / s / 1e9 for name, s in seconds.items()}
+        choice.chosen[bucket.name] = min(seconds, key=seconds.get)
+    if shape.is_head:  # the head's rows never reach a prompt chunk's count
+        choice.chosen[ROW_BUCKETS[2].name] = choice.chosen[ROW_BUCKETS[1].name]
+    return choice
+
+
+def choose_products(shapes: list[ProductShape], candidates: list[ProductCandidate], dtype: torch.dtype,
+                    weight_dtype: torch.dtype, use_cache: bool = True) -> ProductTable:
+    """Measure (or read from the disk cache) the fastest candidate per shape and row bucket."""
+    key = {"version": CHOICE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "dtype": str(dtype), "weight_dtype": str(weight_dtype), "candidates": [c.name for c in candidates],
+           "shapes": sorted({s.key for s in shapes}), "buckets": [b.measured_rows for b in ROW_BUCKETS]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = os.path.join(cache_dir(), f"{digest}.json")
+    if use_cache:
+        cached = _read_cache(path, key, shapes)
+        if cached is not None:
+            return cached
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    choices = {}
+    for shape in shapes:
+        if shape.key not in choices:
+            choices[shape.key] = measure_shape(shape, candidates, dtype, weight_dtype, generator)
+    table = ProductTable(choices, "measured", time.perf_counter() - start, key)
+    _write_cache(path, table)
+    return table
+
+
+def _read_cache(path: str, key: dict, shapes: list[ProductShape]) -> Optional[ProductTable]:
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if stored.get("key") != key:
+        return None
+    by_key = {s.key: s for s in shapes}
+    try:
+        choices = {k: ProductChoice(by_key[k], c["gflops"], c["chosen"]) for k, c in stored["choices"].items()}
+    except (KeyError, TypeError):
+        return None
+    return ProductTable(choices, path, 0.0, key)
+
+
+def _write_cache(path: str, table: ProductTable) -> None:
+    payload = {"key": table.key, "measured_seconds": table.seconds,
+               "choices": {k: {"gflops": c.gflops, "chosen": c.chosen} for k, c in table.choices.items()}}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False, suffix=".tmp") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(f.name, path)  # two workers measuring at once: each file is whole
+    except OSError as exc:
+        logger.warning("could not cache the product choice in %s: %s", path, exc)
+
+
+def log_table(table: ProductTable) -> None:
+    where = f"measured in {table.seconds:.2f} s" if table.source == "measured" else f"cached in {table.source}"
+    summary = "; ".join(f"{c.shape.key}: " + ", ".join(f"{b}={n}" for b, n in c.chosen.items())
+                        for c in table.choices.values())
+    logger.info("linear products chosen by measurement (%s, %s threads, %s): %s", where, table.key["threads"],
+                table.key["isa"], summary)
+
+
+def model_shapes(model: torch.nn.Module) -> list[ProductShape]:
+    """The distinct linear weight shapes of a loaded model, the LM head marked."""
+    from engine.model.layers.linear import linear_layers
+
+    shapes = {ProductShape(*m.weight.shape) for m in linear_layers(model)}
+    head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
+    ordered = sorted(shapes, key=lambda s: (s.out_features, s.in_features))
+    if head is not None:
+        ordered.append(ProductShape(*head.weight.shape, is_head=True))
+    return ordered
+
+
+def bucketed_product(choice: ProductChoice, candidates: dict[str, ProductCandidate], weight: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> Optional[PackedProduct]:
+    """The product for one layer: the chosen candidate when every bucket agrees, else a row-count dispatch
+    (each distinct candidate prepared once)."""
+    made: dict[str, Optional[PackedProduct]] = {}
+    products = []
+    for bucket in ROW_BUCKETS:
+        name = choice.chosen[bucket.name]
+        if name not in made:
+            made[name] = candidates[name].make(weight, bias)
+        products.append((bucket.max_rows, made[name]))
+    if len(made) == 1:
+        return next(iter(made.values()))
+    if any(p is None for _, p in products):  # a candidate that declines a weight declines it in every bucket
+        return next((p for p in made.values() if p is not None), None)
+    return BucketedProduct(weight.shape[1], products)
