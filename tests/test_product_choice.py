@@ -55,6 +55,14 @@ def test_the_fastest_candidate_wins_each_bucket_and_layers_dispatch_by_rows(cach
     assert calls == ["small", "small", "large", "large", "large"]
 
 
+def test_the_first_candidate_stays_unless_another_is_clearly_faster():
+    from engine.model.layers.product_choice import SWITCH_MARGIN, _pick
+
+    assert _pick({"own": 1.0, "other": 1.0 / (1 + SWITCH_MARGIN / 2)}, preferred="own") == "own"  # noise
+    assert _pick({"own": 1.0, "other": 1.0 / (1 + 2 * SWITCH_MARGIN)}, preferred="own") == "other"
+    assert _pick({"own": 1.0, "other": 2.0}, preferred="own") == "own"
+
+
 def test_one_candidate_everywhere_is_used_without_dispatch(cache_home):
     calls = []
     only = [candidates(calls)[1]]

@@ -1,6 +1,7 @@
 """`engine bench serve --compare-peer vllm-cpu`: `engine serve` and vLLM's OpenAI server, each launched in turn
-on the same model (never both at once: they would share the cores), warmed up, then driven by the same Poisson
-arrivals at each request rate; TTFT, TPOT and ITL percentiles side by side."""
+on the same model (never both at once: they would share the cores; a fresh launch per request rate, so no rate
+finds the previous one's prompts in the prefix cache), warmed up, then driven by the same Poisson arrivals;
+TTFT, TPOT and ITL percentiles side by side."""
 from __future__ import annotations
 
 import asyncio
@@ -103,16 +104,18 @@ def served_model(url: str) -> Optional[str]:
 
 def compare_servers(servers: list[ServerLaunch], requests: list[BenchRequest], rates: list[float],
                     seed: int = 0) -> list[dict]:
-    """Every server in turn, every rate on it; one row per (server, rate) with the latency percentiles."""
+    """Every server in turn, every rate on a fresh launch of it (a launch that served the same prompts at the
+    previous rate would answer from its prefix cache); one row per (server, rate) with the latency
+    percentiles. Each launch gets one warm-up request before the measured load."""
     rows = []
     for server in servers:
-        with launched(server) as url:
-            model = served_model(url)
-            warm = [BenchRequest(requests[0].prompt, requests[0].prompt_len, 4)]
-            asyncio.run(run_serve_bench(url, warm, float("inf"), model, None, seed))
-            for rate in rates:
+        for rate in rates:
+            with launched(server) as url:
+                model = served_model(url)
+                warm = [BenchRequest([7] * 16, 16, 4)]  # a prompt that no workload request starts with
+                asyncio.run(run_serve_bench(url, warm, float("inf"), model, None, seed))
                 result = asyncio.run(run_serve_bench(url, requests, rate, model, None, seed))
-                rows.append({"server": server.label, **{k: v for k, v in result.items() if not k.endswith("_all")}})
+            rows.append({"server": server.label, **{k: v for k, v in result.items() if not k.endswith("_all")}})
     return rows
 
 

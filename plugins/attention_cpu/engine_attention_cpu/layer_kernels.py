@@ -47,8 +47,8 @@ class CpuLayerKernels(NativeLayerKernels):
         return reasons
 
     def product_candidates(self, dtype):
-        """This plugin's AVX2 GEMM (where built with it) beside torch's products; the fastest on each shape and
-        row bucket wins (``engine bench kernels`` shows the table)."""
+        """This plugin's AVX2 GEMM (where built with it, listed first: the default) beside torch's products; on
+        each shape and row bucket another wins only when it is clearly faster (``engine bench kernels``)."""
         candidates = super().product_candidates(dtype)
         if self._gemm:
             from engine_attention_cpu.gemm import CpuPackedLinear

@@ -100,8 +100,9 @@ class PackedHalfLinear:
 
 
 def native_product_candidates(dtype: torch.dtype) -> list[ProductCandidate]:
-    """The products torch offers on this CPU for a model in ``dtype``: oneDNN's packed float32 product, MKL's
-    plain one, and, where the CPU computes 16-bit products natively, oneDNN's packed and plain 16-bit ones."""
+    """The products torch offers on this CPU for a model in ``dtype``: oneDNN's packed float32 product (first:
+    the default that the others must clearly beat), MKL's plain one, and, where the CPU computes 16-bit
+    products natively, oneDNN's packed and plain 16-bit ones."""
     candidates = [ProductCandidate("onednn", lambda w, b: PackedLinear(w, b)
                                    if torch.backends.mkldnn.is_available() else None),
                   ProductCandidate("torch", lambda w, b: PlainProduct(w, b, torch.float32))]

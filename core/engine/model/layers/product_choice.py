@@ -26,7 +26,8 @@ from engine.model.layers.linear import PackedProduct
 
 logger = logging.getLogger(__name__)
 
-CHOICE_VERSION = 1  # bump when the measurement changes meaning: old cache entries are then ignored
+CHOICE_VERSION = 2  # bump when the measurement changes meaning: old cache entries are then ignored
+SWITCH_MARGIN = 0.10  # another candidate must be this much faster than the first-listed one to replace it
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,15 @@ def _time_candidates(products: dict[str, PackedProduct], x: torch.Tensor, rounds
     return best
 
 
+def _pick(seconds: dict[str, float], preferred: Optional[str]) -> str:
+    """The fastest candidate, unless the preferred one (the first listed: the layer kernels' own default) is
+    within ``SWITCH_MARGIN`` of it: timing noise must not switch kernels, a clear win must."""
+    fastest = min(seconds, key=seconds.get)
+    if preferred in seconds and seconds[preferred] <= seconds[fastest] * (1 + SWITCH_MARGIN):
+        return preferred
+    return fastest
+
+
 def measure_shape(shape: ProductShape, candidates: list[ProductCandidate], dtype: torch.dtype,
                   weight_dtype: torch.dtype, generator: torch.Generator) -> ProductChoice:
     """Time every candidate that takes this weight at each bucket's row count."""
@@ -183,7 +193,7 @@ def measure_shape(shape: ProductShape, candidates: list[ProductCandidate], dtype
         seconds = _time_candidates(products, x)
         flop = 2.0 * bucket.measured_rows * shape.out_features * shape.in_features
         choice.gflops[bucket.name] = {name: flop / s / 1e9 for name, s in seconds.items()}
-        choice.chosen[bucket.name] = min(seconds, key=seconds.get)
+        choice.chosen[bucket.name] = _pick(seconds, preferred=next(iter(products), None))
     if shape.is_head:  # the head's rows never reach a prompt chunk's count
         choice.chosen[ROW_BUCKETS[2].name] = choice.chosen[ROW_BUCKETS[1].name]
     return choice
