@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.model.layers import product_choice
-from engine.model.layers.product_choice import (ROW_BUCKETS, BucketedProduct, ProductCandidate, ProductShape,
-                                                bucketed_product, choose_products)
+from engine.model.layers.product_choice import (ROW_BUCKETS, SWITCH_MARGIN, BucketedProduct, ProductCandidate,
+                                                ProductShape, bucketed_product, choose_products)
 from tests.test_bench import engine, is_png
 
 
@@ -56,7 +56,7 @@ def test_the_fastest_candidate_wins_each_bucket_and_layers_dispatch_by_rows(cach
 
 
 def test_the_first_candidate_stays_unless_another_is_clearly_faster():
-    from engine.model.layers.product_choice import SWITCH_MARGIN, _pick
+    from engine.model.layers.product_choice import _pick
 
     assert _pick({"own": 1.0, "other": 1.0 / (1 + SWITCH_MARGIN / 2)}, preferred="own") == "own"  # noise
     assert _pick({"own": 1.0, "other": 1.0 / (1 + 2 * SWITCH_MARGIN)}, preferred="own") == "other"
@@ -187,7 +187,8 @@ def test_bench_kernels_prints_and_writes_the_table(tiny_llama, tmp_path):
     assert {r["bucket"] for r in rows} == {b.name for b in ROW_BUCKETS}
     for row in rows:
         timed = {k[:-7] for k in row if k.endswith("_gflops")}
-        assert row["chosen"] in timed and row[row["chosen"] + "_gflops"] == max(row[t + "_gflops"] for t in timed)
+        best = max(row[t + "_gflops"] for t in timed)  # the chosen one, or the default within the margin of it
+        assert row["chosen"] in timed and (row[row["chosen"] + "_gflops"] + 0.1) * (1 + SWITCH_MARGIN) >= best
     assert not any(r["shape"].endswith("head") and r["bucket"] == "prompt" for r in rows)
     again = engine("bench", "kernels", *env_args)
     assert again.returncode == 0 and "read from" in again.stdout  # the engine's cache, as a worker reads it
