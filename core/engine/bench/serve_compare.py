@@ -123,8 +123,8 @@ def print_comparison(rows: list[dict]) -> None:
     header = ["server", "req/s", "done", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
               "out tok/s"]
     cells = [[r["server"], f"{r['request_rate']:g}", f"{r['completed']}/{r['num_requests']}",
-              *(f"{r[m]['median']:.0f}/{r[m]['p99']:.0f}".split("/")[i] for m in ("ttft_ms", "tpot_ms", "itl_ms")
-                for i in (0, 1)), f"{r['output_tokens_per_s']:.1f}"] for r in rows]
+              *(f"{r[m][q]:.0f}" for m in ("ttft_ms", "tpot_ms", "itl_ms") for q in ("median", "p99")),
+              f"{r['output_tokens_per_s']:.1f}"] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)) + "   (ms)")
     for c in cells:

@@ -125,18 +125,17 @@ class BucketedProduct:
 
 def cpu_identity() -> dict:
     """The CPU's model name and a digest of its feature flags (two machines of one kind may differ here)."""
-    name, flags = platform.processor() or platform.machine(), ""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and name in ("", platform.machine(), platform.processor()):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())  # the first core's
     except OSError:
         pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
     return {"cpu": name, "isa": torch.backends.cpu.get_cpu_capability(),
-            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+            "flags": hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:16]}
 
 
 def cache_dir() -> str:
