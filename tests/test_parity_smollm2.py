@@ -55,7 +55,7 @@ def reference(hf_model, prompts):
     {"enable_prefix_caching": False},
 ], ids=["default", "chunked-prefill", "preemption", "no-prefix-cache"])
 def test_smollm2_greedy_equals_transformers(prompts, reference, config):
-    llm = LLM(dtype="float32", **{"kv_cache_memory": "256MiB", "max_model_len": 2048, **config})
+    llm = LLM(dtype="float32", quantization="none", **{"kv_cache_memory": "256MiB", "max_model_len": 2048, **config})
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
@@ -74,7 +74,7 @@ def test_smollm2_greedy_equals_transformers(prompts, reference, config):
 def test_smollm2_top5_logprobs_match_transformers(hf_model, prompts):
     """Greedy logprobs: our top-5 equal transformers' log-softmax to 1e-4 at every step."""
     steps = 16
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=2048)
     chosen = [prompts[0], prompts[5]]
     outputs = llm.generate([{"prompt_token_ids": p} for p in chosen],
                            SamplingParams(temperature=0, max_tokens=steps, logprobs=5, ignore_eos=True), use_tqdm=False)

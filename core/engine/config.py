@@ -60,6 +60,7 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights and activations dtype; auto = the checkpoint's (float32 for GGUF)")
     max_model_len: Optional[int] = Field(None, gt=0, description="context length; defaults to the model's")
+    quantization: str = plugin_choice("quantization")
     seed: int = Field(0, description="seed of the global random generator")
     served_model_name: Optional[str] = Field(None, description="model name reported by the API")
     max_logprobs: int = Field(20, ge=0, description="most logprobs / prompt_logprobs a request may ask for")

@@ -1,7 +1,7 @@
 """The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
 
 A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
-contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.3"``; a different major version is
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.4"``; a different major version is
 refused, an older 1.x minor keeps working through adapters) and implements any of the hooks below with
 ``@engine.hookimpl``. Each class hook returns a list of implementation classes; every class carries a
 unique ``name``, a ``priority`` used by ``auto``, and a classmethod ``unavailable_reasons(ctx)`` that says
@@ -20,8 +20,9 @@ from typing import Callable, Optional
 import pluggy
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.3"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
-# logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy)
+CONTRACT_VERSION = "1.4"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+# logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
+# engine_quantization_methods and LayerKernels.quantized_product_candidates
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -140,6 +141,25 @@ def engine_layer_kernels() -> list[type]:
     Chosen by ``device.layer_kernels``; ``auto`` takes the available one with the highest priority (the
     built-in ``native`` torch ops run everywhere). Constructed once per worker as ``cls()``, before the
     weights load (``prepare_weights`` and ``pack_linear`` see every weight).
+    """
+
+
+@plugin_kind("quantization", base="engine.interfaces.quantization:QuantizationMethod", process="worker",
+             config_key="model.quantization", flags=("quantization",),
+             construction="cls() once per worker, before the weights load; packed_checkpoint_formats(model_info) "
+                          "says which checkpoint tensors load packed, process_weights_after_loading(model) makes "
+                          "the quantized weights, and the layer kernels' quantized_product_candidates run them",
+             choice_help="QuantizationMethod plugin (how linear weights are stored): none = float weights (a GGUF "
+                         "file de-quantized at load), gguf = a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept packed, int8 = "
+                         "weight-only int8 made at load; auto = none")
+def engine_quantization_methods() -> list[type]:
+    """Return QuantizationMethod subclasses (``engine.interfaces.quantization``).
+
+    Chosen by ``model.quantization``; ``auto`` takes the highest-priority available one whose ``preferred_for(ctx)``
+    holds (of the built-ins only ``none``: float weights batch faster on CPUs; ``gguf`` and ``int8`` are chosen
+    by name). Constructed once per worker as ``cls()``: the loader keeps the
+    checkpoint tensors of ``packed_checkpoint_formats(model_info)`` packed, then calls
+    ``process_weights_after_loading(model)``, which sets ``module.quant_weight`` on the layers it quantizes.
     """
 
 

@@ -32,6 +32,7 @@ BUILTIN_MODULES = (
     "engine.sample.default_sampler",
     "engine.sample.builtin_logits_processors",
     "engine.model.layers.native_kernels",
+    "engine.quantization.methods",
     "engine.model.registry",
 )
 

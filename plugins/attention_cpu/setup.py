@@ -15,6 +15,10 @@ setup(
                      extra_compile_args=FLAGS + ["-ffp-contract=off"], extra_link_args=["-fopenmp"]),
         CppExtension("engine_attention_cpu._gemm", ["engine_attention_cpu/csrc/gemm.cpp"],
                      extra_compile_args=FLAGS, extra_link_args=["-fopenmp"]),
+        # the integer-dot kernels of quantized weights (per-function ISA targets, chosen at run time); no contraction
+        # into fused multiply-adds beyond the explicit ones, so every tile shape rounds alike (rows batch-invariant)
+        CppExtension("engine_attention_cpu._quant", ["engine_attention_cpu/csrc/quant_gemm.cpp"],
+                     extra_compile_args=FLAGS + ["-ffp-contract=off"], extra_link_args=["-fopenmp"]),
     ],
     cmdclass={"build_ext": BuildExtension},
 )

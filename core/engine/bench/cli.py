@@ -75,7 +75,12 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--iterations", type=int, default=5)
     lat.add_argument("--warmup", type=int, default=1)
     lat.add_argument("--output")
-    lat.add_argument("--plot", help="PNG: CDF of the batch latencies")
+    lat.add_argument("--plot", help="PNG: CDF of the batch latencies (bars of pp and tg with --compare-peer)")
+    lat.add_argument("--compare-peer", choices=["llama.cpp"], default=None,
+                     help="single stream as llama-bench measures it: the engine's prompt (pp, --input-len tokens) and "
+                          "generation (tg, --output-len tokens) speed beside llama-bench's on --peer-model")
+    lat.add_argument("--peer-binary", help="llama-bench (../shared/bench/build_llama_cpp.sh builds it)")
+    lat.add_argument("--peer-model", help="the GGUF file llama-bench runs (the engine's --model by default)")
     _neighbour_flag(lat)
     add_config_flags(lat)
     lat.set_defaults(func=cmd_latency)
@@ -250,6 +255,8 @@ def cmd_kernels(args) -> int:
 
 def cmd_latency(args) -> int:
     require_bench_extra(*(["matplotlib"] if args.plot else []))
+    if args.compare_peer:
+        return cmd_latency_against_llama_cpp(args)
     from engine.bench.offline import run_latency
 
     with noisy_neighbours(args.noisy_neighbour):
@@ -263,6 +270,42 @@ def cmd_latency(args) -> int:
 
         cdf_plot(args.plot, {f"batch {args.batch_size}": result["latencies_s"]}, "batch latency (s)",
                  "engine bench latency")
+    return 0
+
+
+def cmd_latency_against_llama_cpp(args) -> int:
+    """pp and tg of one stream, the engine (every A/B variant) beside llama-bench, with ratios and peak memory."""
+    import torch
+
+    from engine.bench.offline import _in_fresh_process
+    from engine.bench.single_stream import compare, run_llama_bench, run_single_stream
+    from engine.model.model_info import default_model_path
+
+    base, variants = _split_variants(args)
+    peer_model = args.peer_model or base.get("model", {}).get("model") or default_model_path()
+    threads = base.get("device", {}).get("num_threads") or torch.get_num_threads()
+    results = {}
+    with noisy_neighbours(args.noisy_neighbour):
+        for label, overrides in variants:
+            results[label] = _in_fresh_process(run_single_stream, {**base, **overrides}, args.input_len,
+                                               args.output_len, args.iterations)  # its own peak memory
+        peer = run_llama_bench(args.peer_binary, peer_model, args.input_len, args.output_len, threads,
+                               repetitions=args.iterations)
+    for result in results.values():
+        result.update(compare(result, peer))
+    report = {"benchmark": "latency-single-stream", "input_len": args.input_len, "output_len": args.output_len,
+              "threads": threads, "engine": results, "llama.cpp": peer}
+    print(json.dumps(report, indent=1))
+    if args.output:
+        write_json(args.output, {**report, "environment": environment()})
+    if args.plot:
+        from engine.bench.plot import grouped_bar_plot
+
+        sides = {**{f"engine {k}": v for k, v in results.items()}, "llama.cpp": peer}
+        grouped_bar_plot(args.plot, [f"pp{args.input_len}", f"tg{args.output_len}"],
+                         {name: [side.get("prompt_tok_s", 0.0), side.get("decode_tok_s", 0.0)]
+                          for name, side in sides.items()}, "tokens/s",
+                         f"single stream, {threads} threads, {torch.backends.cpu.get_cpu_capability()}")
     return 0
 
 

@@ -41,8 +41,10 @@ def _reap(processes: dict, grace_s: float = 60) -> None:
         proc.kill()
 
 
-def run_script_peer(command: list[str], cwd: Optional[str] = None, timeout_s: float = 3600) -> dict:
-    """Run a peer script that prints one JSON result line (the last line starting with '{')."""
+def run_watched(command: list[str], cwd: Optional[str] = None, timeout_s: float = 3600,
+                poll_s: float = 0.5) -> tuple[list[str], int]:
+    """Run a peer's command to its end: the JSON lines it printed (those starting with '{') and the peak resident
+    bytes of its process tree; a failure or a run past ``timeout_s`` raises with the end of its stderr."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, text=True)
@@ -52,13 +54,20 @@ def run_script_peer(command: list[str], cwd: Optional[str] = None, timeout_s: fl
             if time.perf_counter() - start > timeout_s:
                 proc.kill()
                 raise RuntimeError(f"peer {' '.join(command)} ran past {timeout_s:.0f} s")
-            time.sleep(0.5)
+            time.sleep(poll_s)
         _reap(seen)  # the next run must start on an idle machine
         out.seek(0)
         err.seek(0)
         lines = [line for line in out.read().splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"peer {' '.join(command)} failed (exit {proc.returncode}):\n{err.read()[-3000:]}")
+    return lines, peak
+
+
+def run_script_peer(command: list[str], cwd: Optional[str] = None, timeout_s: float = 3600) -> dict:
+    """Run a peer script that prints one JSON result line (the last line starting with '{')."""
+    start = time.perf_counter()
+    lines, peak = run_watched(command, cwd, timeout_s)
     result = json.loads(lines[-1])
     return {"seconds": result["seconds"], "total_tokens_per_s": result["total_tok_s"],
             "output_tokens_per_s": result["output_tok_s"], "prompt_tokens": result["prompt_tokens"],

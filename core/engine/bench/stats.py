@@ -30,6 +30,7 @@ def environment() -> dict:
 
     return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "isa": torch.backends.cpu.get_cpu_capability(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

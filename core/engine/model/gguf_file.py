@@ -7,6 +7,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from engine.quantization.formats import BLOCK_BYTES, GGUF_TYPES, QK, QuantizedWeight
+
 # GGUF architecture -> (HF architecture, HF model_type)
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama")}
 
@@ -83,16 +85,26 @@ def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def iterate_gguf_weights(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor) for every tensor of the file."""
+def iterate_gguf_weights(path: str, hf_config,
+                         keep_packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield (Hugging Face name, tensor) for every tensor of the file: float32, or, for 2-D tensors whose GGML type
+    is one of the formats in ``keep_packed``, a :class:`QuantizedWeight` holding the file's blocks (rows un-permuted
+    like the float ones, nothing de-quantized)."""
     import gguf
 
     reader = open_gguf(path)
     for tensor in reader.tensors:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         name = _hf_name(tensor.name)
-        if name.endswith("q_proj.weight"):
-            data = _unpermute_rotary(data, hf_config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            data = _unpermute_rotary(data, hf_config.num_key_value_heads)
+        heads = (hf_config.num_attention_heads if name.endswith("q_proj.weight")
+                 else hf_config.num_key_value_heads if name.endswith("k_proj.weight") else None)
+        fmt = GGUF_TYPES.get(tensor.tensor_type.name)
+        if fmt in keep_packed and tensor.data.ndim == 2:
+            blocks = tensor.data if heads is None else _unpermute_rotary(tensor.data, heads)
+            rows = blocks.shape[0]
+            cols = blocks.shape[1] // BLOCK_BYTES[fmt] * QK
+            yield name, QuantizedWeight(fmt, (rows, cols), torch.from_numpy(np.array(blocks, dtype=np.uint8)))
+            continue
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if heads is not None:
+            data = _unpermute_rotary(data, heads)
         yield name, torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy

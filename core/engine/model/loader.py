@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from engine.config import ConfigError
 from engine.interfaces.layer_kernels import LayerKernels
+from engine.interfaces.quantization import QuantizationMethod
 from engine.model.layers.kernels import use_layer_kernels
 from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.model_info import ModelInfo
@@ -78,9 +79,10 @@ def get_model_class(architecture: str) -> type:
 
 
 def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True,
-               layer_kernels: Optional[LayerKernels] = None) -> torch.nn.Module:
+               layer_kernels: Optional[LayerKernels] = None,
+               quantization: Optional[QuantizationMethod] = None) -> torch.nn.Module:
     """Instantiate the model for this rank, its layers calling ``layer_kernels`` (native torch ops by
-    default), and load its weights, with a progress bar."""
+    default), and load its weights, with a progress bar, stored as ``quantization`` says (float by default)."""
     start = time.perf_counter()
     model_cls = get_model_class(info.architecture)
     layer_kernels = layer_kernels or NativeLayerKernels()
@@ -89,7 +91,8 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     if info.format == "gguf":
         from engine.model.gguf_file import iterate_gguf_weights
 
-        weights = iterate_gguf_weights(info.path, info.hf_config)
+        keep = quantization.packed_checkpoint_formats(info) if quantization is not None else frozenset()
+        weights = iterate_gguf_weights(info.path, info.hf_config, keep)
     else:
         weights = iterate_hf_weights(info.path)
     total = count_checkpoint_tensors(info)
@@ -103,6 +106,8 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     if missing:
         raise ValueError(f"checkpoint {info.path} lacks weights for: {sorted(missing)[:8]}")
     model.eval()
+    if quantization is not None:
+        quantization.process_weights_after_loading(model)
     layer_kernels.process_weights_after_loading(model, info.dtype, device)
     logger.info("Loaded %s (%s, %s) in %.1fs: %.1fM parameters on this rank", info.architecture, info.format,
                 str(info.dtype).replace("torch.", ""), time.perf_counter() - start,

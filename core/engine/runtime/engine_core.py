@@ -15,6 +15,7 @@ from engine.kv_cache.spec import make_kv_cache_config
 from engine.model.model_info import ModelInfo, resolve_model
 from engine.plugins import get_plugin_manager
 from engine.runtime.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine.runtime.lifetime import freeze_gc_heap
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
@@ -64,6 +65,7 @@ class EngineCore:
         self.error_outputs: list[EngineCoreOutput] = []  # requests that failed, to report with the next step
         self.exec_thread = ThreadPoolExecutor(1, thread_name_prefix="execute") if \
             vllm_config.scheduler.async_scheduling else None
+        freeze_gc_heap()
         logger.info("engine core ready in %.1fs", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -21,6 +21,16 @@ _WATCH_PERIOD_S = 0.2
 _EXIT_GRACE_S = 10.0
 
 
+def freeze_gc_heap() -> None:
+    """Collect once, then move every object alive after start-up (model, tokenizer, GGUF metadata: hundreds of
+    thousands of them) out of the garbage collector's sight, as vLLM does after start-up: otherwise each full
+    collection during serving walks them all, a tenth of a single-stream decode step's time."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def watch_parent(parent_pid: int, name: str, cleanup: Optional[Callable[[], None]] = None) -> threading.Thread:
     """Start a daemon thread that ends this process when ``parent_pid`` is no longer its parent.
 

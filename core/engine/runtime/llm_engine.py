@@ -9,7 +9,7 @@ from engine.config import VllmConfig
 from engine.outputs import RequestOutput
 from engine.runtime.core_client import EngineCoreClient, make_client
 from engine.runtime.input_processor import PromptType, build_front_end
-from engine.runtime.lifetime import use_thread_lock_for_progress_bars
+from engine.runtime.lifetime import freeze_gc_heap, use_thread_lock_for_progress_bars
 from engine.sampling_params import SamplingParams
 from engine.runtime.messages import SchedulerStats
 
@@ -26,6 +26,7 @@ class LLMEngine:
         self.model_info, self.tokenizer, self.input_processor, self.output_processor = build_front_end(vllm_config)
         self.engine_core: EngineCoreClient = make_client(vllm_config, self.model_info)
         self._ids = itertools.count()
+        freeze_gc_heap()
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))

@@ -33,7 +33,7 @@ class ModelRunner:
 
     def __init__(self, vllm_config: VllmConfig, model_info: ModelInfo, device: torch.device,
                  attention_backend: type, sampler, logits_processors: list,
-                 layer_kernels: Optional[LayerKernels] = None):
+                 layer_kernels: Optional[LayerKernels] = None, quantization=None):
         self.vllm_config = vllm_config
         self.model_info = model_info
         self.device = device
@@ -41,6 +41,7 @@ class ModelRunner:
         self.sampler = sampler
         self.logits_processors = logits_processors
         self.layer_kernels = layer_kernels
+        self.quantization = quantization
         self.block_size = vllm_config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch: Optional[InputBatch] = None
@@ -50,7 +51,8 @@ class ModelRunner:
 
     # ---- set-up --------------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = load_model(self.model_info, self.device, layer_kernels=self.layer_kernels)
+        self.model = load_model(self.model_info, self.device, layer_kernels=self.layer_kernels,
+                                quantization=self.quantization)
         options = self.vllm_config.attention.options
         for module in self.model.modules():
             if isinstance(module, Attention):

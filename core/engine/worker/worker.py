@@ -52,11 +52,13 @@ class Worker:
         attention = plugins.select("attention", self.plugin_choices["attention"], ctx)
         sampler = plugins.select("sampler", self.plugin_choices["sampler"], ctx)
         kernels = plugins.select("layer_kernels", self.plugin_choices["layer_kernels"], ctx)
+        quantization = plugins.select("quantization", self.plugin_choices.get("quantization", "auto"), ctx)
         processors = [impl.create(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
         layer_kernels = kernels.cls()
         layer_kernels.configure(self.vllm_config)
         self.model_runner = ModelRunner(self.vllm_config, info, self.device, attention.cls,
-                                        sampler.create(self.vllm_config), processors, layer_kernels)
+                                        sampler.create(self.vllm_config), processors, layer_kernels,
+                                        quantization.create())
         self.model_runner.load_model()
 
     def get_kv_cache_spec(self):

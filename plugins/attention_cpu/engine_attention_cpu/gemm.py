@@ -7,6 +7,7 @@ on its own input row: a request's logits do not change with the batch it shares 
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -30,16 +31,12 @@ class CpuPackedLinear:
             self.bias = torch.zeros(self.panels.shape[0] * PANEL)
             self.bias[: self.out_features] = bias.detach().float()
 
+        # one C++ call per product (reshape, allocation, dtype; up to 4 rows on the spin pool's threads)
+        self._forward = functools.partial(_gemm.forward, packed=self.panels, bias=self.bias,
+                                          out_features=self.out_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32:
-            rows = rows.float()
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self._ops.linear(out, rows, self.panels, self.bias)
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return self._forward(x)
 
 
 def cpu_gemm_available() -> bool:

@@ -56,6 +56,23 @@ class CpuLayerKernels(NativeLayerKernels):
             candidates.insert(0, ProductCandidate("cpu-avx2", lambda w, b: CpuPackedLinear(w, b)))
         return candidates
 
+    def quantized_product_candidates(self, weight_format):
+        """The integer-dot kernels in every ISA variant this CPU has (the widest first: the default), and the
+        per-call de-quantization into the AVX2 GEMM for prompt-sized products; without the built kernels, the
+        native candidate."""
+        if importlib.util.find_spec("engine_attention_cpu._quant") is None:
+            return super().quantized_product_candidates(weight_format)
+        from engine_attention_cpu.quant import DequantizedGemmProduct, QuantDotProduct, variants
+
+        runnable = [name for name, ok in variants().items() if ok]
+        simd = [name for name in runnable if name != "scalar"] or runnable
+        candidates = [ProductCandidate(f"{weight_format}-{variant}",
+                                       lambda w, b, variant=variant: QuantDotProduct(w, b, variant))
+                      for variant in reversed(simd)]
+        if self._gemm:
+            candidates.append(ProductCandidate(f"{weight_format}-dequant-avx2", DequantizedGemmProduct))
+        return candidates
+
     def fixed_product(self, weight, bias=None):
         """The AVX2 GEMM for float32 weights on the CPU; oneDNN's product where the CPU lacks AVX2."""
         if not (self._gemm and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2):

@@ -45,7 +45,8 @@ class CpuAttentionMetadataBuilder(TorchAttentionMetadataBuilder):
                 rows = torch.from_numpy(decode_rows)
                 table, lens = common.block_table[rows].contiguous(), common.seq_lens[rows].contiguous()
             indices = torch.from_numpy(common.query_start_loc_np[decode_rows].astype(np.int64))
-        return CpuAttentionMetadata(common.num_actual_tokens, common.slot_mapping, indices,
+        return CpuAttentionMetadata(common.num_actual_tokens, common.slot_mapping.to(torch.int64).contiguous(),
+                                    indices,
                                     table if table is None else table.to(torch.int32).contiguous(),
                                     lens if lens is None else lens.to(torch.int32).contiguous(),
                                     all_decode, self.build_prefills(common, prefill_rows))
@@ -57,6 +58,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
         from engine_attention_cpu import _C
 
         self._decode = _C.paged_decode_attention
+        self._write_kv = _C.write_kv_cache
 
     def forward(self, query, key, value, kv_cache, attn_metadata: CpuAttentionMetadata):
         num_tokens = attn_metadata.num_actual_tokens
@@ -64,11 +66,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
         q, k, v = self.split_heads(query, key, value, num_tokens)
         # head-major blocks [blocks, Hkv, block_size, D], seen token-major as [blocks, block_size, Hkv, D]
         key_cache, value_cache = kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
-        block_size = key_cache.shape[1]
-        slots = attn_metadata.slot_mapping
-        blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = k
-        value_cache[blocks, offsets] = v
+        self._write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping)
         output = torch.empty(num_tokens, self.num_heads, head, dtype=query.dtype)
         if attn_metadata.decode_token_indices is not None:
             soft_cap = float(self.logits_soft_cap or 0.0)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_group
+from engine.quantization.formats import QuantizedWeight, cat_rows, dequantize
 
 PackedProduct = Callable[[torch.Tensor], torch.Tensor]
 
@@ -59,7 +60,8 @@ class ColumnParallelLinear(nn.Module):
         if shard_id is None and len(self.output_sizes) > 1:
             raise ValueError("a merged layer needs the shard id of each checkpoint tensor")
         offset, size, src_offset = self.shard_bounds(shard_id)
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, src_offset, size))
+        if not keep_quantized_shard(self, param, offset, loaded.narrow(0, src_offset, size)):
+            param.data.narrow(0, offset, size).copy_(loaded.narrow(0, src_offset, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -113,7 +115,9 @@ class QKVParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         offset, first_head, heads = self.shards[shard_id]
         size = self.head_size
-        param.data.narrow(0, offset * size, heads * size).copy_(loaded.narrow(0, first_head * size, heads * size))
+        shard = loaded.narrow(0, first_head * size, heads * size)
+        if not keep_quantized_shard(self, param, offset * size, shard):
+            param.data.narrow(0, offset * size, heads * size).copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -139,7 +143,9 @@ class RowParallelLinear(nn.Module):
         self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded.narrow(1, self.input_start, self.input_size_per_partition))
+        shard = loaded.narrow(1, self.input_start, self.input_size_per_partition)
+        if not keep_quantized_shard(self, param, 0, shard):
+            param.data.copy_(shard)
 
     @staticmethod
     def _bias_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -148,6 +154,38 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(linear(x, self.weight, packed=self.packed))
         return out + self.bias if self.bias is not None else out
+
+
+def keep_quantized_shard(module: nn.Module, param: nn.Parameter, row_offset: int, shard) -> bool:
+    """Keep a packed checkpoint shard of a layer's weight (its rows from ``row_offset``) until every shard is in;
+    ``finish_quantized_weight`` stacks them. False for a float shard (copied into the parameter as usual)."""
+    if not isinstance(shard, QuantizedWeight):
+        return False
+    if param is not getattr(module, "weight", None):
+        raise ValueError(f"a quantized checkpoint tensor for a {type(module).__name__} parameter other than its weight")
+    module.__dict__.setdefault("_quant_shards", {})[row_offset] = shard
+    return True
+
+
+def finish_quantized_weight(module: nn.Module) -> None:
+    """Stack the packed shards a layer received into ``module.quant_weight`` and release its float weight; a layer
+    whose shards came in mixed formats (or mixed with float ones) gets them de-quantized into the float weight."""
+    shards = module.__dict__.pop("_quant_shards", None)
+    if not shards:
+        return
+    rows = sum(s.shape[0] for s in shards.values())
+    ordered = [shards[offset] for offset in sorted(shards)]
+    if rows == module.weight.shape[0] and len({s.format for s in ordered}) == 1:
+        set_quantized_weight(module, cat_rows(ordered) if len(ordered) > 1 else ordered[0])
+        return
+    for offset, shard in shards.items():  # de-quantize into the float weight
+        module.weight.data.narrow(0, offset, shard.shape[0]).copy_(dequantize(shard))
+
+
+def set_quantized_weight(module: nn.Module, weight: QuantizedWeight) -> None:
+    """Make ``weight`` the layer's weight: the float parameter keeps its dtype and is emptied (its memory goes)."""
+    module.quant_weight = weight
+    module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -162,15 +200,30 @@ def weight_loader_of(param: nn.Parameter):
 
 
 
-def linear_layers(model: nn.Module) -> list[nn.Module]:
-    """Every tensor-parallel linear layer of a model."""
-    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
+def linear_layers(model: nn.Module, quantized: Optional[bool] = None) -> list[nn.Module]:
+    """Every tensor-parallel linear layer of a model (``quantized``: only those with, or without, a
+    ``quant_weight``)."""
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
+    if quantized is None:
+        return layers
+    return [m for m in layers if (getattr(m, "quant_weight", None) is not None) == quantized]
+
+
+def quantized_product(weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> PackedProduct:
+    """The product on a packed weight when the layer kernels offer none: the weight de-quantized once into a
+    float32 product (:func:`~engine.model.layers.gemm.onednn_packed_linear`, else ``F.linear``)."""
+    from engine.model.layers.gemm import PlainProduct, onednn_packed_linear
+
+    dense = dequantize(weight)
+    return onednn_packed_linear(dense, bias) or PlainProduct(dense, bias, torch.float32)
 
 
 def pack_linear_layers(model: nn.Module, pack_linear: Callable[..., Optional[PackedProduct]],
-                       head_in_float32: bool = False) -> int:
+                       head_in_float32: bool = False,
+                       pack_quantized: Callable[..., PackedProduct] = quantized_product) -> int:
     """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) the product
-    ``pack_linear(weight, bias)`` prepares for its weight; returns how many products were packed.
+    ``pack_linear(weight, bias)`` prepares for its weight (``pack_quantized(quant_weight, bias)`` for a quantized
+    one); returns how many products were packed.
 
     The plain weights stay (inspection and the parameter count read them; new weights need packing
     again). A weight ``pack_linear`` declines (None) keeps the plain product. ``head_in_float32``: pack
@@ -178,10 +231,15 @@ def pack_linear_layers(model: nn.Module, pack_linear: Callable[..., Optional[Pac
     """
     packed = 0
     for module in linear_layers(model):  # a row-parallel bias is added after the all-reduce, not in the product
-        module.packed = pack_linear(module.weight, None if isinstance(module, RowParallelLinear) else module.bias)
+        bias = None if isinstance(module, RowParallelLinear) else module.bias
+        quant = getattr(module, "quant_weight", None)
+        module.packed = pack_linear(module.weight, bias) if quant is None else pack_quantized(quant, bias)
         packed += module.packed is not None
     head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
-    if head is not None:
+    if head is not None and getattr(head, "quant_weight", None) is not None:
+        model.logits_gemm = pack_quantized(head.quant_weight, None)
+        packed += 1
+    elif head is not None:
         model.logits_gemm = pack_linear(head.weight.float() if head_in_float32 else head.weight)
         packed += model.logits_gemm is not None
     return packed

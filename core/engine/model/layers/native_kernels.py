@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from engine import hookimpl
 from engine.interfaces.layer_kernels import LayerKernels
 from engine.model.layers.gemm import native_product_candidates, onednn_packed_linear, widen_gemm_weights
-from engine.model.layers.linear import pack_linear_layers
+from engine.model.layers.linear import pack_linear_layers, quantized_product
 from engine.model.layers.product_choice import (ProductCandidate, ProductTable, bucketed_product, choose_products,
-                                                log_table, model_shapes)
+                                                log_table, model_shapes, quantized_formats)
 
 
 class NativeLayerKernels(LayerKernels):
@@ -26,6 +26,8 @@ class NativeLayerKernels(LayerKernels):
         self.kernel_cache = True
         self.product_table: Optional[ProductTable] = None
         self._candidates: dict[str, ProductCandidate] = {}
+        self.quantized_tables: dict[str, ProductTable] = {}  # format -> the products chosen for its weights
+        self._quantized_candidates: dict[str, dict[str, ProductCandidate]] = {}
 
     def configure(self, vllm_config) -> None:
         self.kernel_cache = vllm_config.device.kernel_cache
@@ -39,14 +41,43 @@ class NativeLayerKernels(LayerKernels):
             candidates = self.product_candidates(dtype)
             self._candidates = {c.name: c for c in candidates}
             weight_dtype = torch.float32 if widened else dtype
-            self.product_table = choose_products(model_shapes(model), candidates, dtype, weight_dtype,
-                                                 use_cache=self.kernel_cache)
-            log_table(self.product_table)
-        pack_linear_layers(model, self.pack_linear, head_in_float32=widened)
+            shapes = model_shapes(model)
+            if shapes:
+                self.product_table = choose_products(shapes, candidates, dtype, weight_dtype,
+                                                     use_cache=self.kernel_cache)
+                log_table(self.product_table)
+            for fmt in quantized_formats(model):
+                candidates = self.quantized_product_candidates(fmt)
+                self._quantized_candidates[fmt] = {c.name: c for c in candidates}
+                if len(candidates) > 1:
+                    self.quantized_tables[fmt] = choose_products(model_shapes(model, fmt), candidates, dtype,
+                                                                 weight_dtype, self.kernel_cache, weight_format=fmt)
+                    log_table(self.quantized_tables[fmt])
+        pack_linear_layers(model, self.pack_linear, head_in_float32=widened, pack_quantized=self.pack_quantized)
 
     def product_candidates(self, dtype: torch.dtype) -> list[ProductCandidate]:
         """The CPU products to choose among by measurement (a plugin adds its own kernels to these)."""
         return native_product_candidates(dtype)
+
+    def quantized_product_candidates(self, weight_format: str) -> list[ProductCandidate]:
+        """The products on weights packed in ``weight_format`` to choose among by measurement; ``make`` takes a
+        :class:`~engine.quantization.formats.QuantizedWeight`. Native torch has no kernel for packed blocks: its one
+        candidate de-quantizes the weight once, into a float32 product."""
+        return [ProductCandidate("dequantized", quantized_product)]
+
+    def pack_quantized(self, weight, bias=None):
+        """The product measured fastest for this packed weight's format and shape (per row bucket), or the first
+        candidate where nothing was measured."""
+        candidates = self._quantized_candidates.get(weight.format)
+        if candidates is None:
+            candidates = {c.name: c for c in self.quantized_product_candidates(weight.format)}
+        table = self.quantized_tables.get(weight.format)
+        if table is not None:
+            key = "x".join(map(str, weight.shape))
+            choice = table.choices.get(key) or table.choices.get(key + " head")
+            if choice is not None:
+                return bucketed_product(choice, candidates, weight, bias)
+        return next(iter(candidates.values())).make(weight, bias)
 
     def pack_linear(self, weight, bias=None):
         """The product measured fastest for this weight's shape (per row bucket); without a measurement (a

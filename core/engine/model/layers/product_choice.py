@@ -116,7 +116,7 @@ class BucketedProduct:
         self.products = products  # (max_rows, product), ascending
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
         for max_rows, product in self.products:
             if rows <= max_rows:
                 return product(x)
@@ -172,9 +172,15 @@ def _pick(seconds: dict[str, float], preferred: Optional[str]) -> str:
 
 
 def measure_shape(shape: ProductShape, candidates: list[ProductCandidate], dtype: torch.dtype,
-                  weight_dtype: torch.dtype, generator: torch.Generator) -> ProductChoice:
-    """Time every candidate that takes this weight at each bucket's row count."""
+                  weight_dtype: torch.dtype, generator: torch.Generator,
+                  weight_format: Optional[str] = None) -> ProductChoice:
+    """Time every candidate that takes this weight at each bucket's row count (on a weight quantized to
+    ``weight_format`` when given: the candidates are then products on packed weights)."""
     weight = (torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.05).to(weight_dtype)
+    if weight_format is not None:
+        from engine.quantization.formats import quantize
+
+        weight = quantize(weight, weight_format)
     products = {}
     for candidate in candidates:
         try:
@@ -199,10 +205,13 @@ def measure_shape(shape: ProductShape, candidates: list[ProductCandidate], dtype
 
 
 def choose_products(shapes: list[ProductShape], candidates: list[ProductCandidate], dtype: torch.dtype,
-                    weight_dtype: torch.dtype, use_cache: bool = True) -> ProductTable:
-    """Measure (or read from the disk cache) the fastest candidate per shape and row bucket."""
+                    weight_dtype: torch.dtype, use_cache: bool = True,
+                    weight_format: Optional[str] = None) -> ProductTable:
+    """Measure (or read from the disk cache) the fastest candidate per shape and row bucket; ``weight_format``: the
+    weights are quantized in that format (``engine.quantization.formats``) and the candidates take packed ones."""
     key = {"version": CHOICE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "dtype": str(dtype), "weight_dtype": str(weight_dtype), "candidates": [c.name for c in candidates],
+           "dtype": str(dtype), "weight_dtype": weight_format or str(weight_dtype),
+           "candidates": [c.name for c in candidates],
            "shapes": sorted({s.key for s in shapes}), "buckets": [b.measured_rows for b in ROW_BUCKETS]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = os.path.join(cache_dir(), f"{digest}.json")
@@ -215,7 +224,7 @@ def choose_products(shapes: list[ProductShape], candidates: list[ProductCandidat
     choices = {}
     for shape in shapes:
         if shape.key not in choices:
-            choices[shape.key] = measure_shape(shape, candidates, dtype, weight_dtype, generator)
+            choices[shape.key] = measure_shape(shape, candidates, dtype, weight_dtype, generator, weight_format)
     table = ProductTable(choices, "measured", time.perf_counter() - start, key)
     _write_cache(path, table)
     return table
@@ -253,20 +262,32 @@ def log_table(table: ProductTable) -> None:
     where = f"measured in {table.seconds:.2f} s" if table.source == "measured" else f"cached in {table.source}"
     summary = "; ".join(f"{c.shape.key}: " + ", ".join(f"{b}={n}" for b, n in c.chosen.items())
                         for c in table.choices.values())
-    logger.info("linear products chosen by measurement (%s, %s threads, %s): %s", where, table.key["threads"],
-                table.key["isa"], summary)
+    logger.info("linear products chosen by measurement (%s, %s threads, %s, %s weights): %s", where,
+                table.key["threads"], table.key["isa"], table.key["weight_dtype"].replace("torch.", ""), summary)
 
 
-def model_shapes(model: torch.nn.Module) -> list[ProductShape]:
-    """The distinct linear weight shapes of a loaded model, the LM head marked."""
+def model_shapes(model: torch.nn.Module, weight_format: Optional[str] = None) -> list[ProductShape]:
+    """The distinct linear weight shapes of a loaded model, the LM head marked: of its float weights, or of those
+    quantized in ``weight_format``."""
     from engine.model.layers.linear import linear_layers
 
-    shapes = {ProductShape(*m.weight.shape) for m in linear_layers(model)}
+    def shape_of(module) -> Optional[tuple[int, int]]:
+        quant = getattr(module, "quant_weight", None)
+        if weight_format is None:
+            return None if quant is not None else tuple(module.weight.shape)
+        return quant.shape if quant is not None and quant.format == weight_format else None
+
+    shapes = {ProductShape(*shape) for shape in map(shape_of, linear_layers(model)) if shape is not None}
     head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
     ordered = sorted(shapes, key=lambda s: (s.out_features, s.in_features))
-    if head is not None:
-        ordered.append(ProductShape(*head.weight.shape, is_head=True))
+    if head is not None and shape_of(head) is not None:
+        ordered.append(ProductShape(*shape_of(head), is_head=True))
     return ordered
+
+
+def quantized_formats(model: torch.nn.Module) -> list[str]:
+    """The formats of the model's quantized linear weights (LM head included)."""
+    return sorted({m.quant_weight.format for m in model.modules() if getattr(m, "quant_weight", None) is not None})
 
 
 def bucketed_product(choice: ProductChoice, candidates: dict[str, ProductCandidate], weight: torch.Tensor,

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_group
+from engine.quantization.formats import QuantizedWeight, cat_rows, dequantize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,19 +19,39 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_per_rank = -(-vocab_size // self.tp.world_size)
         self.vocab_start = self.tp.rank * self.vocab_per_rank
         self.vocab_end = min(self.vocab_start + self.vocab_per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False)
+        self.weight.data[self.vocab_end - self.vocab_start:].zero_()  # the last rank's padding rows
         self.weight.weight_loader = self.weight_loader
+        self.quant_weight: QuantizedWeight | None = None  # a packed table (GGUF), looked up row by row
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = self.vocab_end - self.vocab_start
+        if isinstance(loaded, QuantizedWeight):
+            from engine.model.layers.linear import set_quantized_weight
+
+            table = loaded.narrow(0, self.vocab_start, rows)
+            if rows < self.vocab_per_rank:  # padding rows of zero blocks (zero scales)
+                pad = QuantizedWeight(table.format, (self.vocab_per_rank - rows, table.shape[1]),
+                                      torch.zeros(self.vocab_per_rank - rows, table.data.shape[1], dtype=table.data.dtype),
+                                      None if table.scales is None else torch.zeros(self.vocab_per_rank - rows))
+                table = cat_rows([table, pad])
+            set_quantized_weight(self, table)
+            return
         param.data[:rows].copy_(loaded[self.vocab_start:self.vocab_end])
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is None:
+            return F.embedding(ids, self.weight)
+        flat = ids.reshape(-1)
+        rows = dequantize(self.quant_weight.index_rows(flat)).to(self.weight.dtype)
+        return rows.view(*ids.shape, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         in_slice = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(in_slice, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * in_slice.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local) * in_slice.unsqueeze(-1).to(self.weight.dtype)
         return self.tp.all_reduce(out)
 
 

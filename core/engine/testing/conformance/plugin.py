@@ -14,6 +14,7 @@ OPTIONS = {  # fixture name -> (option, what it names)
     "executor_name": ("--engine-executor", "an executor"),
     "kv_cache_coordinator_name": ("--engine-kv-cache-coordinator", "a KV-cache coordinator"),
     "layer_kernels_name": ("--engine-layer-kernels", "a layer-kernels implementation"),
+    "quantization_name": ("--engine-quantization", "a quantization method"),
     "model_path": ("--engine-model", "a Hugging Face model folder served by a model-family plugin"),
 }
 

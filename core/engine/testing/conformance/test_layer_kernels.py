@@ -65,3 +65,25 @@ def test_packed_products_equal_the_plain_product(kernels):
     for rows in (1, 5, 64):
         x = torch.randn(rows, 32, generator=gen)
         torch.testing.assert_close(product(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
+def test_quantized_products_match_dequantize_then_multiply(kernels, fmt):
+    """Every product the kernels offer on packed weights (``quantized_product_candidates``) equals the de-quantized
+    weight's product, within the rounding of activations quantized per block of 32 to int8 (integer kernels)."""
+    from engine.quantization.formats import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(1)
+    weight = quantize(torch.randn(40, 96, generator=gen) * 0.05, fmt)
+    x, bias = torch.randn(5, 96, generator=gen), torch.randn(40, generator=gen)
+    dense = dequantize(weight)
+    expected = x @ dense.T + bias
+    allowed = x.abs().amax() / 127 * dense.abs().sum(1) + 1e-4  # one int8 step of x on every weight
+    candidates = kernels.quantized_product_candidates(fmt)
+    assert candidates, "quantized_product_candidates must offer at least one product"
+    for candidate in candidates:
+        product = candidate.make(weight, bias)
+        out = product(x)
+        assert out.shape == expected.shape and out.dtype == torch.float32, candidate.name
+        assert ((out - expected).abs() <= allowed).all(), candidate.name
+        assert product(x.bfloat16()).dtype == torch.bfloat16, candidate.name

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "spin_pool.h"
 #include "vec_avx2.h"
 
 namespace engine_cpu {
@@ -247,6 +248,90 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optio
 #endif
 }
 
+#ifdef ENGINE_AVX2
+// R <= 4 rows against panels [p0, p1): each output one FMA chain over k in order per k chunk, the chunks added
+// as the register tile adds them, so a row's result is the same bits as in a batched product.
+template <int R>
+void gemv_panels(const float* x, int64_t ldx, const float* w, int64_t k, int64_t n, const float* bias, float* c,
+                 int64_t ldc, int64_t p0, int64_t p1) {
+  const int64_t kc_max = chunk_size(k);
+  for (int64_t q = p0; q < p1; ++q) {
+    const int64_t cols = std::min(kCols, n - q * kCols);
+    __m256 out0[R], out1[R];
+    for (int r = 0; r < R; ++r) {
+      out0[r] = bias ? _mm256_loadu_ps(bias + q * kCols) : _mm256_setzero_ps();
+      out1[r] = bias ? _mm256_loadu_ps(bias + q * kCols + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+      const int64_t kc = std::min(kc_max, k - k0);
+      const float* panel = w + (q * k + k0) * kCols;
+      __m256 a0[R], a1[R];
+      for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < kc; ++i) {
+        const __m256 b0 = _mm256_loadu_ps(panel + i * kCols), b1 = _mm256_loadu_ps(panel + i * kCols + 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k0 + i);
+          a0[r] = _mm256_fmadd_ps(xv, b0, a0[r]);
+          a1[r] = _mm256_fmadd_ps(xv, b1, a1[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        out0[r] = _mm256_add_ps(a0[r], out0[r]);
+        out1[r] = _mm256_add_ps(a1[r], out1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* row = c + r * ldc + q * kCols;
+      if (cols == kCols) {
+        _mm256_storeu_ps(row, out0[r]);
+        _mm256_storeu_ps(row + 8, out1[r]);
+      } else {
+        alignas(32) float tmp[kCols];
+        _mm256_store_ps(tmp, out0[r]);
+        _mm256_store_ps(tmp + 8, out1[r]);
+        std::copy(tmp, tmp + cols, row);
+      }
+    }
+  }
+}
+#endif
+
+// x [..., K] of any float dtype -> x @ W.T (+ bias) [..., N] in x's dtype, in one call: up to 4 rows (decode) by
+// the panels split between the spin pool's threads (no OpenMP wake-up per product), more through `linear`.
+torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  const int64_t k = x.size(-1);
+  torch::Tensor rows = x.reshape({-1, k});
+  if (rows.scalar_type() != at::kFloat) rows = rows.to(at::kFloat);
+  if (rows.stride(-1) != 1) rows = rows.contiguous();
+  torch::Tensor out = at::empty({rows.size(0), n}, rows.options());
+  const int64_t m = rows.size(0);
+#ifdef ENGINE_AVX2
+  if (m >= 1 && m <= 4 && k > 0 && packed.dim() == 3 && packed.size(1) == k && packed.size(0) == (n + kCols - 1) / kCols &&
+      packed.is_contiguous() && (!bias.has_value() || bias->numel() == packed.size(0) * kCols)) {
+    const float* xs = rows.data_ptr<float>();
+    const float* w = packed.data_ptr<float>();
+    const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    float* c = out.data_ptr<float>();
+    const int64_t ldx = rows.stride(0);
+    engine_pool::parallel_range(packed.size(0), 8, [&](int64_t p0, int64_t p1) {
+      switch (m) {
+        case 1: gemv_panels<1>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+        case 2: gemv_panels<2>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+        case 3: gemv_panels<3>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+        default: gemv_panels<4>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+      }
+    });
+  } else
+#endif
+  {
+    linear(out, rows, packed, bias);
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  out = out.view(shape);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 }  // namespace engine_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -254,5 +339,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &engine_cpu::pack_weight, "weight [N, K] as [ceil(N/16), K, 16] float32 panels");
   // without the GIL: an engine's other Python threads (API server, other engines) run during the product
   m.def("linear", &engine_cpu::linear, "out = x @ weight.T (+ bias) with a packed weight (float32, CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("forward", &engine_cpu::forward, "x [..., K] -> x @ W.T (+ bias) [..., N] in x's dtype (packed W)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

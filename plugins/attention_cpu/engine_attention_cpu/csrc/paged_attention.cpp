@@ -4,6 +4,8 @@
 // float32 whatever the cache dtype. Work is split over (request, KV head) items, longest first, each
 // taken by a free thread; the next block's rows are prefetched, and the softmax exponentials are vectorised.
 #include <torch/extension.h>
+
+#include <cstring>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -171,6 +173,8 @@ void attend_heads(float* acc, float* scores, const float* q, const scalar_t* key
   weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, head_size);
 }
 
+constexpr int64_t kSerialWork = 1 << 17;  // context tokens x query heads x head size
+
 template <typename scalar_t>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const torch::Tensor& block_table,
@@ -209,7 +213,11 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
     return lens_ptr[a / num_kv_heads] > lens_ptr[b / num_kv_heads];
   });
   std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+  // one thread when the whole step is a few microseconds of work: waking another would cost more
+  int64_t context = 0;
+  for (int64_t r = 0; r < num_rows; ++r) context += lens_ptr[r];
+  const int64_t threads = context * num_heads * head_size < kSerialWork ? 1 : at::get_num_threads();
+  at::parallel_for(0, std::min<int64_t>(threads, num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> q(3 * head_size), acc(3 * head_size), scores;
     for (int64_t taken = next_item++; taken < num_items; taken = next_item++) {
       const int64_t item = order[taken];
@@ -273,6 +281,44 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
         block_table, seq_lens, scale, soft_cap, sliding_window); }));
 }
 
+// key/value [tokens, Hkv, D] into key_cache/value_cache [blocks, block_size, Hkv, D] (strided views with a contiguous
+// head dimension) at slot_mapping [tokens] int64 (block * block_size + offset; negative slots are skipped): one call
+// per layer instead of two indexed assignments.
+void write_kv_cache(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key_cache.dim() == 4 &&
+                  value_cache.sizes() == key_cache.sizes(), "key/value [tokens, kv_heads, D], caches 4-D");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), "head counts or sizes differ");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(), "key, value and caches must share a dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0), "slot_mapping: int64, one per token");
+  const int64_t tokens = key.size(0), heads = key.size(1), block_size = key_cache.size(1);
+  const int64_t num_slots = key_cache.size(0) * block_size;
+  const int64_t bytes = key.size(2) * key.element_size(), elem = key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  struct Side { const char* src; char* dst; int64_t src_tok, src_head, dst_block, dst_tok, dst_head; };
+  const Side sides[2] = {
+      {static_cast<const char*>(key.data_ptr()), static_cast<char*>(key_cache.data_ptr()), key.stride(0) * elem,
+       key.stride(1) * elem, key_cache.stride(0) * elem, key_cache.stride(1) * elem, key_cache.stride(2) * elem},
+      {static_cast<const char*>(value.data_ptr()), static_cast<char*>(value_cache.data_ptr()), value.stride(0) * elem,
+       value.stride(1) * elem, value_cache.stride(0) * elem, value_cache.stride(1) * elem,
+       value_cache.stride(2) * elem}};
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "slot ", slot, " is past the cache's ", num_slots, " slots");
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (const Side& side : sides)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(side.dst + block * side.dst_block + offset * side.dst_tok + h * side.dst_head,
+                    side.src + t * side.src_tok + h * side.src_head, bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("write_kv_cache", &write_kv_cache, "key/value rows into the paged caches at their slots (CPU)");
 }

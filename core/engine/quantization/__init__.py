@@ -1,0 +1,1 @@
+"""Quantized weights: packed formats (``formats``) and the built-in quantization methods (``methods``)."""

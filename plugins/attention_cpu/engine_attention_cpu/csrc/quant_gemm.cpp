@@ -1,0 +1,290 @@
+// Products on quantized weights kept packed (GGUF Q4_0 / Q4_1 / Q8_0 blocks, weight-only int8 per channel).
+//
+// `linear`: the activations are quantized per block of 32 to int8 (a float scale per block), then each output is
+// a sum of integer block dot products scaled by both blocks' scales, as llama.cpp computes them. Variants:
+//   scalar      portable C++ (any CPU; the exact integer arithmetic the others are tested against)
+//   avx2        AVX2 + FMA + F16C: vpmaddubsw / vpmaddwd on 32 weights at a time
+//   avx512vnni  the same with vpdpbusd (AVX-512 VNNI on 256-bit vectors)
+// chosen at run time (and by measurement, in Python) among those the CPU has. The threads of a spin pool
+// (spin_pool.h: no wake-up per call within a decode step) split the output columns; a row's result does not
+// depend on the other rows.
+// `dequantize` / `dequantize_panels`: the float32 weight, plain or in the AVX2 GEMM's panel layout, for products
+// with many rows, where a float GEMM on the weight de-quantized once per call is faster.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "spin_pool.h"
+
+namespace engine_quant {
+
+enum Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kI8 = 3 };
+enum Variant : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+constexpr int64_t kBlock = 32;
+
+int64_t block_bytes(int format) {
+  switch (format) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: return 32;
+  }
+}
+
+struct QuantArgs {
+  int format;
+  const uint8_t* weight;
+  int64_t row_bytes, nb;  // bytes per weight row, blocks per row
+  const float* scales;    // per output row (int8), else null
+  const int8_t* xq;       // [rows][nb * 32]
+  const float* xd;        // [rows][nb]
+  const float* xs;        // [rows][nb]: xd * sum of the block's xq
+  int64_t rows, ldq;
+  float* out;
+  int64_t ldo;
+};
+
+static inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+namespace scalar {
+static void run_columns(const QuantArgs& q, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = q.weight + n * q.row_bytes;
+    const float scale = q.scales ? q.scales[n] : 1.f;
+    for (int64_t r = 0; r < q.rows; ++r) {
+      const int8_t* x = q.xq + r * q.ldq;
+      float total = 0.f;
+      for (int64_t b = 0; b < q.nb; ++b) {
+        int32_t dot = 0;
+        float d = 1.f, m = 0.f;
+        const int8_t* xb = x + b * kBlock;
+        if (q.format == kQ4_0 || q.format == kQ4_1) {
+          const uint8_t* blk = w + b * block_bytes(q.format);
+          d = half_to_float(blk);
+          const uint8_t* qs = blk + (q.format == kQ4_1 ? 4 : 2);
+          if (q.format == kQ4_1) m = half_to_float(blk + 2);
+          for (int j = 0; j < 16; ++j) dot += (qs[j] & 0x0F) * xb[j] + (qs[j] >> 4) * xb[j + 16];
+        } else {
+          const uint8_t* blk = w + b * block_bytes(q.format);
+          if (q.format == kQ8_0) d = half_to_float(blk);
+          const int8_t* qs = reinterpret_cast<const int8_t*>(q.format == kQ8_0 ? blk + 2 : blk);
+          for (int j = 0; j < 32; ++j) dot += qs[j] * xb[j];
+        }
+        const float xd = q.xd[r * q.nb + b], xs = q.xs[r * q.nb + b];
+        total += d * xd * static_cast<float>(dot);
+        if (q.format == kQ4_0) total -= 8.f * d * xs;
+        if (q.format == kQ4_1) total += m * xs;
+      }
+      q.out[r * q.ldo + n] = total * scale;
+    }
+  }
+}
+}  // namespace scalar
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+static inline __m256i dot_u8s8(__m256i a, __m256i b) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+#include "quant_kernel.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+namespace avx512vnni {
+static inline __m256i dot_u8s8(__m256i a, __m256i b) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+}
+#include "quant_kernel.inc"
+}  // namespace avx512vnni
+#pragma GCC pop_options
+
+bool cpu_has(int variant) {
+  __builtin_cpu_init();
+  switch (variant) {
+    case kScalar: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vnni");
+    default: return false;
+  }
+}
+
+// x [rows, K] -> int8 blocks (zero-padded to nb * 32), a scale per block and scale * sum per block.
+// Rounds half away from zero (C's roundf), as llama.cpp and engine.quantization.formats do.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t nb, int8_t* xq, float* xd, float* xs) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * k;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t start = b * kBlock, stop = std::min(k, start + kBlock);
+        float amax = 0.f;
+        for (int64_t j = start; j < stop; ++j) amax = std::max(amax, std::fabs(row[j]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        int8_t* q = xq + r * nb * kBlock + start;
+        for (int64_t j = start; j < start + kBlock; ++j) {
+          const int v = j < stop ? static_cast<int>(std::round(row[j] * id)) : 0;
+          q[j - start] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        xd[r * nb + b] = d;
+        xs[r * nb + b] = d * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+void check_weight(const torch::Tensor& data, const c10::optional<torch::Tensor>& scales, int64_t format,
+                  int64_t k) {
+  TORCH_CHECK(format >= kQ4_0 && format <= kI8, "unknown quantized format ", format);
+  TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.dim() == 2, "weight data: contiguous 2-D CPU");
+  TORCH_CHECK(data.element_size() == 1, "weight data: one byte per element");
+  const int64_t nb = (k + kBlock - 1) / kBlock;
+  TORCH_CHECK(format == kI8 || k % kBlock == 0, "in_features must be a multiple of 32 for GGUF blocks");
+  TORCH_CHECK(data.size(1) == nb * block_bytes(static_cast<int>(format)), "weight rows hold ", data.size(1),
+              " bytes, expected ", nb * block_bytes(static_cast<int>(format)));
+  if (format == kI8) {
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() &&
+                    scales->numel() == data.size(0), "int8 weights need float32 scales, one per row");
+  }
+}
+
+void linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
+            int64_t format, int64_t variant, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 2-D");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t rows = x.size(0), k = x.size(1), n = data.size(0);
+  check_weight(data, scales, format, k);
+  TORCH_CHECK(out.size(0) == rows && out.size(1) == n, "out must be [rows, out_features]");
+  TORCH_CHECK(cpu_has(static_cast<int>(variant)), "this CPU lacks the instructions of variant ", variant);
+  const int64_t nb = (k + kBlock - 1) / kBlock;
+  static thread_local std::vector<int8_t> xq;  // reused: no allocation per call
+  static thread_local std::vector<float> xd, xs;
+  xq.resize(rows * nb * kBlock);
+  xd.resize(rows * nb);
+  xs.resize(rows * nb);
+  quantize_rows(x.data_ptr<float>(), rows, k, nb, xq.data(), xd.data(), xs.data());
+  QuantArgs q{static_cast<int>(format), static_cast<const uint8_t*>(data.data_ptr()), data.size(1), nb,
+              scales.has_value() ? scales->data_ptr<float>() : nullptr, xq.data(), xd.data(), xs.data(), rows,
+              nb * kBlock, out.data_ptr<float>(), n};
+  // output columns split between the spin pool's threads, whole 4-column tiles each
+  engine_pool::parallel_range(n, 64, [&](int64_t begin, int64_t end) {
+    if (variant == kAvx512Vnni) avx512vnni::run_columns(q, begin, end);
+    else if (variant == kAvx2) avx2::run_columns(q, begin, end);
+    else scalar::run_columns(q, begin, end);
+  }, 4);
+  if (bias.has_value()) out.add_(*bias);
+}
+
+// x [..., K] of any float dtype -> x @ W.T (+ bias) [..., N] in x's dtype: the whole call in C++, for the
+// products of a decode step, where Python-side reshapes and allocations would cost as much as the product.
+torch::Tensor forward(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales, int64_t format,
+                      int64_t variant, c10::optional<torch::Tensor> bias, int64_t out_features) {
+  const int64_t k = x.size(-1);
+  torch::Tensor rows = x.reshape({-1, k});
+  if (rows.scalar_type() != torch::kFloat32) rows = rows.to(torch::kFloat32);
+  rows = rows.contiguous();
+  torch::Tensor out = at::empty({rows.size(0), out_features}, rows.options());
+  linear(out, rows, data, scales, format, variant, bias);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  out = out.view(shape);
+  return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
+}
+
+// weight row n, element j, de-quantized
+static inline void dequantize_row(const uint8_t* w, int format, int64_t k, float scale, float* out, int64_t stride) {
+  const int64_t nb = (k + kBlock - 1) / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * block_bytes(format);
+    float* o = out + b * kBlock * stride;
+    if (format == kQ4_0 || format == kQ4_1) {
+      const float d = half_to_float(blk), m = format == kQ4_1 ? half_to_float(blk + 2) : -8.f * d;
+      const uint8_t* qs = blk + (format == kQ4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        o[j * stride] = d * static_cast<float>(qs[j] & 0x0F) + m;
+        o[(j + 16) * stride] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+    } else {
+      const float d = format == kQ8_0 ? half_to_float(blk) : scale;
+      const int8_t* qs = reinterpret_cast<const int8_t*>(format == kQ8_0 ? blk + 2 : blk);
+      const int64_t count = std::min(kBlock, k - b * kBlock);
+      for (int64_t j = 0; j < count; ++j) o[j * stride] = d * static_cast<float>(qs[j]);
+    }
+  }
+}
+
+// out [N, K] float32
+void dequantize(torch::Tensor out, torch::Tensor data, c10::optional<torch::Tensor> scales, int64_t format) {
+  const int64_t n = out.size(0), k = out.size(1);
+  check_weight(data, scales, format, k);
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && data.size(0) == n, "out: [N, K] float32");
+  const float* s = scales.has_value() ? scales->data_ptr<float>() : nullptr;
+  const uint8_t* w = static_cast<const uint8_t*>(data.data_ptr());
+  float* o = out.data_ptr<float>();
+  const int64_t row_bytes = data.size(1);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(((k + kBlock - 1) / kBlock) * kBlock);
+    for (int64_t r = begin; r < end; ++r) {
+      dequantize_row(w + r * row_bytes, static_cast<int>(format), k, s ? s[r] : 1.f, row.data(), 1);
+      std::memcpy(o + r * k, row.data(), k * sizeof(float));
+    }
+  });
+}
+
+// out [ceil(N/16), K, 16] float32: the AVX2 GEMM's panels (the last one zero-padded)
+void dequantize_panels(torch::Tensor out, torch::Tensor data, c10::optional<torch::Tensor> scales, int64_t format) {
+  const int64_t panels = out.size(0), k = out.size(1), n = data.size(0);
+  check_weight(data, scales, format, k);
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(2) == 16 &&
+                  panels == (n + 15) / 16, "out: [ceil(N/16), K, 16] float32");
+  const float* s = scales.has_value() ? scales->data_ptr<float>() : nullptr;
+  const uint8_t* w = static_cast<const uint8_t*>(data.data_ptr());
+  const int64_t row_bytes = data.size(1), padded = ((k + kBlock - 1) / kBlock) * kBlock;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(padded * 16);
+    for (int64_t p = begin; p < end; ++p) {
+      float* panel = out.data_ptr<float>() + p * k * 16;
+      std::fill(scratch.begin(), scratch.end(), 0.f);
+      for (int64_t c = 0; c < 16 && p * 16 + c < n; ++c) {
+        const int64_t r = p * 16 + c;
+        dequantize_row(w + r * row_bytes, static_cast<int>(format), k, s ? s[r] : 1.f, scratch.data() + c, 16);
+      }
+      std::memcpy(panel, scratch.data(), k * 16 * sizeof(float));
+    }
+  });
+}
+
+std::vector<std::tuple<std::string, bool>> variants() {
+  return {{"scalar", cpu_has(kScalar)}, {"avx2", cpu_has(kAvx2)}, {"avx512vnni", cpu_has(kAvx512Vnni)}};
+}
+
+}  // namespace engine_quant
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("variants", &engine_quant::variants, "[(variant, whether this CPU runs it)] in variant-id order");
+  m.def("linear", &engine_quant::linear, "out = x @ W.T (+ bias), W quantized (format id, variant id)",
+        py::arg("out"), py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("variant"),
+        py::arg("bias"));
+  m.def("forward", &engine_quant::forward, "x [..., K] -> x @ W.T (+ bias) [..., N] in x's dtype",
+        py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("variant"), py::arg("bias"),
+        py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &engine_quant::dequantize, "out [N, K] float32 = W");
+  m.def("dequantize_panels", &engine_quant::dequantize_panels, "out [ceil(N/16), K, 16] float32 panels of W");
+}

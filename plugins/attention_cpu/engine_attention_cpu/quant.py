@@ -1,0 +1,100 @@
+"""The ``cpu`` layer kernels' products on packed quantized weights (``csrc/quant_gemm.cpp``).
+
+- ``QuantDotProduct``: integer block dot products on the packed weight (activations quantized per block of 32),
+  in each ISA variant this CPU has: the product of single-stream decoding, which reads 4-8x fewer weight bytes
+  than a float32 product.
+- ``DequantizedGemmProduct``: the weight de-quantized into the AVX2 GEMM's panels on every call, then the float32
+  GEMM: for prompt-sized products, where the GEMM's arithmetic dominates and the integer dot would be slower.
+
+Which one runs at which row count is measured at load (``engine.model.layers.product_choice``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from engine.quantization.formats import FORMATS, QuantizedWeight
+
+FORMAT_IDS = {name: index for index, name in enumerate(FORMATS)}  # the C++ enum's order
+
+
+def _ops():
+    from engine_attention_cpu import _quant
+
+    return _quant
+
+
+def variants() -> dict[str, bool]:
+    """Every ISA variant of the integer kernels and whether this CPU runs it."""
+    return dict(_ops().variants())
+
+
+def unsupported_variant_reason(variant: str) -> Optional[str]:
+    """Why ``variant`` cannot run here (None when it can)."""
+    found = variants()
+    if variant not in found:
+        return f"no variant '{variant}' (variants: {sorted(found)})"
+    if not found[variant]:
+        return f"this CPU ({torch.backends.cpu.get_cpu_capability()}) lacks the instructions of '{variant}'"
+    return None
+
+
+class QuantDotProduct:
+    """``x @ W.T + bias`` by integer block dot products on the packed weight; returns x's dtype."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor], variant: str):
+        reason = unsupported_variant_reason(variant)
+        if reason:
+            raise RuntimeError(reason)
+        self._ops = _ops()
+        self.weight = weight
+        self.format_id = FORMAT_IDS[weight.format]
+        self.variant_id = list(variants()).index(variant)
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        # one C++ call per product (reshape, allocation and dtype in C++): a decode step makes 120 of them
+        self._forward = functools.partial(self._ops.forward, data=weight.data, scales=weight.scales,
+                                          format=self.format_id, variant=self.variant_id, bias=self.bias,
+                                          out_features=self.out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+
+class DequantizedGemmProduct:
+    """The weight de-quantized into 16-column float32 panels on each call, then the AVX2 GEMM (``gemm.py``): for
+    products with many rows. Nothing de-quantized is kept between calls."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor]):
+        from engine_attention_cpu import _gemm
+        from engine_attention_cpu.gemm import PANEL
+
+        self._ops, self._gemm = _ops(), _gemm
+        self.weight = weight
+        self.format_id = FORMAT_IDS[weight.format]
+        self.out_features, self.in_features = weight.shape
+        self.panels_shape = (-(-self.out_features // PANEL), self.in_features, PANEL)
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(self.panels_shape[0] * PANEL)
+            self.bias[: self.out_features] = bias.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        panels = torch.empty(self.panels_shape, dtype=torch.float32)
+        self._ops.dequantize_panels(panels, self.weight.data, self.weight.scales, self.format_id)
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        self._gemm.linear(out, rows, panels, self.bias)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight, de-quantized by the C++ kernel (tests hold it to the torch reference)."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    _ops().dequantize(out, weight.data, weight.scales, FORMAT_IDS[weight.format])
+    return out

@@ -1,0 +1,165 @@
+"""Quantized weights: the packed formats against llama.cpp's layout (gguf-py de-quantizes our blocks to our values),
+and the ``cpu`` plugin's products on them against de-quantize-then-multiply, for every block type, shape remainder
+and ISA variant this CPU has (the others skip, naming the missing instructions)."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from engine.quantization.formats import (BLOCK_BYTES, FORMATS, QuantizedWeight, cat_rows, dequantize, quantize,
+                                         quantize_activations, reference_product)
+
+GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")
+HAS_QUANT = (importlib.util.find_spec("engine_attention_cpu") is not None
+             and importlib.util.find_spec("engine_attention_cpu._quant") is not None)
+ALL_VARIANTS = ("scalar", "avx2", "avx512vnni")
+
+
+def _weight(rows, cols, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * 0.05
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_gguf_blocks_are_llama_cpps(fmt):
+    """gguf-py (llama.cpp's own Python reader) de-quantizes the blocks we pack to exactly our values, and its
+    quantizer's blocks de-quantize through ours to its values: the byte layout is llama.cpp's."""
+    gguf = pytest.importorskip("gguf")
+    weight = _weight(6, 64)
+    packed = quantize(weight, fmt)
+    assert packed.data.shape == (6, 64 // 32 * BLOCK_BYTES[fmt]) and packed.data.dtype == torch.uint8
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    theirs = gguf.quants.dequantize(packed.data.numpy(), qtype)
+    assert np.array_equal(theirs, dequantize(packed).numpy())
+    try:
+        their_blocks = gguf.quants.quantize(weight.numpy(), qtype)
+    except NotImplementedError:
+        pytest.skip(f"this gguf-py cannot quantize {fmt}")
+    mine = QuantizedWeight(fmt, (6, 64), torch.from_numpy(np.ascontiguousarray(their_blocks)))
+    assert np.allclose(dequantize(mine).numpy(), gguf.quants.dequantize(their_blocks, qtype), atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantization_error_is_within_the_formats_step(fmt):
+    weight = _weight(40, 96)
+    error = (dequantize(quantize(weight, fmt)) - weight).abs()
+    block_range = weight.reshape(40, 3, 32).abs().amax(-1, keepdim=True).expand(40, 3, 32).reshape(40, 96)
+    # half a step of the format's grid (q4_0: a whole step, its largest value is clipped to 7 of 8 steps)
+    error_in_steps = {"q4_0": 1 / 8, "q4_1": 1 / 15, "q8_0": 0.5 / 127, "int8": 0.5 / 127}[fmt]
+    row_range = weight.abs().amax(1, keepdim=True)
+    allowed = (row_range if fmt == "int8" else block_range) * error_in_steps * 1.01 + 1e-4
+    assert (error <= allowed).all()
+
+
+def test_narrow_and_stack_follow_rows_and_whole_blocks():
+    weight = _weight(10, 96)
+    for fmt in FORMATS:
+        packed = quantize(weight, fmt)
+        dense = dequantize(packed)
+        assert torch.equal(dequantize(packed.narrow(0, 3, 4)), dense[3:7])
+        assert torch.equal(dequantize(packed.narrow(1, 32, 64)), dense[:, 32:96])
+        assert torch.equal(dequantize(cat_rows([packed.narrow(0, 0, 2), packed.narrow(0, 5, 5)])),
+                           torch.cat([dense[:2], dense[5:]]))
+        assert torch.equal(dequantize(packed.index_rows(torch.tensor([9, 0, 4]))), dense[[9, 0, 4]])
+        if fmt != "int8":
+            with pytest.raises(ValueError, match="whole blocks"):
+                packed.narrow(1, 16, 32)
+
+
+def test_int8_takes_widths_that_are_not_whole_blocks():
+    weight = _weight(7, 40)
+    packed = quantize(weight, "int8")
+    assert packed.data.shape == (7, 64) and packed.scales.shape == (7,)
+    assert (dequantize(packed) - weight).abs().max() <= weight.abs().max() / 127
+
+
+def test_reference_product_is_dequantize_then_multiply():
+    packed = quantize(_weight(12, 64), "q4_1")
+    x, bias = torch.randn(3, 64), torch.randn(12)
+    assert torch.allclose(reference_product(packed, bias)(x), x @ dequantize(packed).T + bias, atol=1e-6)
+    assert reference_product(packed)(x.bfloat16()).dtype == torch.bfloat16
+
+
+# ---- the cpu plugin's kernels -------------------------------------------------------------------------------------
+
+needs_kernels = pytest.mark.skipif(not HAS_QUANT, reason="the cpu plugin's quantized kernels are not built")
+
+
+def _variant_or_skip(variant):
+    from engine_attention_cpu.quant import unsupported_variant_reason
+
+    reason = unsupported_variant_reason(variant)
+    if reason:
+        pytest.skip(reason)
+
+
+SHAPES = [(1, 1, 32), (1, 37, 64), (3, 16, 96), (4, 100, 576), (5, 129, 160), (9, 64, 1536)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_integer_dot_equals_dequantize_then_multiply(fmt, variant):
+    """Exactly the reference on the activations as the kernel quantizes them (float rounding only), and within the
+    activations' int8 step of the plain float product; rows past a tile of 4, columns of any count, bias."""
+    from engine_attention_cpu.quant import QuantDotProduct
+
+    _variant_or_skip(variant)
+    for rows, cols, k in SHAPES + ([(2, 33, 40), (6, 8, 70)] if fmt == "int8" else []):
+        weight = quantize(_weight(cols, k, seed=rows), fmt)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+        bias = torch.randn(cols)
+        out = QuantDotProduct(weight, bias, variant)(x)
+        dense = dequantize(weight).double()
+        exact = quantize_activations(x).double() @ dense.T + bias.double()
+        scale = quantize_activations(x).double().abs() @ dense.abs().T + bias.double().abs()
+        assert ((out.double() - exact).abs() <= scale * 4e-6 + 1e-6).all(), (fmt, variant, rows, cols, k)
+        plain = x.double() @ dense.T + bias.double()
+        step = x.abs().amax().item() / 127  # the activations' largest rounding
+        assert ((out.double() - plain).abs() <= step * dense.abs().sum(1) + 1e-5).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
+    from engine_attention_cpu.quant import QuantDotProduct
+
+    _variant_or_skip(variant)
+    weight = quantize(_weight(70, 256), "q4_1")
+    x = torch.randn(7, 256)
+    together = QuantDotProduct(weight, None, variant)(x)
+    alone = torch.cat([QuantDotProduct(weight, None, variant)(x[i:i + 1]) for i in range(7)])
+    assert torch.equal(together, alone)
+    scalar = QuantDotProduct(weight, None, "scalar")(x)
+    assert torch.allclose(together, scalar, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantized_gemm_and_cpp_dequantize_equal_the_reference(fmt):
+    from engine_attention_cpu.gemm import cpu_gemm_available
+    from engine_attention_cpu.quant import DequantizedGemmProduct, dequantize as cpp_dequantize
+
+    k = 70 if fmt == "int8" else 96
+    weight = quantize(_weight(37, k), fmt)
+    assert torch.equal(cpp_dequantize(weight), dequantize(weight))
+    if not cpu_gemm_available():
+        pytest.skip("the AVX2 GEMM is not built")
+    x, bias = torch.randn(13, k), torch.randn(37)
+    out = DequantizedGemmProduct(weight, bias)(x)
+    assert torch.allclose(out, x @ dequantize(weight).T + bias, rtol=1e-5, atol=1e-5)
+    assert DequantizedGemmProduct(weight, None)(x.bfloat16()).dtype == torch.bfloat16
+
+
+@needs_kernels
+def test_kernels_refuse_what_they_cannot_take():
+    from engine_attention_cpu import _quant
+
+    weight = quantize(_weight(8, 64), "q4_0")
+    with pytest.raises(RuntimeError, match="bytes"):
+        _quant.linear(torch.empty(1, 8), torch.randn(1, 64), weight.data[:, :20].contiguous(), None, 0, 0, None)
+    with pytest.raises(RuntimeError, match="scales"):
+        _quant.linear(torch.empty(1, 8), torch.randn(1, 64), quantize(_weight(8, 64), "int8").data, None, 3, 0, None)
