@@ -47,10 +47,6 @@ class QuantizedWeight:
         return self
 
     @property
-    def dtype(self) -> str:
-        return self.format
-
-    @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + (0 if self.scales is None else self.scales.nbytes)
 

@@ -23,7 +23,6 @@ class CpuPackedLinear:
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         from engine_attention_cpu import _gemm
 
-        self._ops = _gemm
         self.out_features, self.in_features = weight.shape
         self.panels = _gemm.pack_weight(weight.detach().float())
         self.bias = None

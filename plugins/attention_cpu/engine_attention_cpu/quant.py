@@ -48,14 +48,13 @@ class QuantDotProduct:
         reason = unsupported_variant_reason(variant)
         if reason:
             raise RuntimeError(reason)
-        self._ops = _ops()
         self.weight = weight
         self.format_id = FORMAT_IDS[weight.format]
         self.variant_id = list(variants()).index(variant)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         # one C++ call per product (reshape, allocation and dtype in C++): a decode step makes 120 of them
-        self._forward = functools.partial(self._ops.forward, data=weight.data, scales=weight.scales,
+        self._forward = functools.partial(_ops().forward, data=weight.data, scales=weight.scales,
                                           format=self.format_id, variant=self.variant_id, bias=self.bias,
                                           out_features=self.out_features)
 
