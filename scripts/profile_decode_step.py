@@ -7,9 +7,11 @@ call in which all 64 requests decode one token. Prints JSON, medians in millisec
 ``total`` (execute_model), ``model`` (forward), ``logits`` (LM head), ``sampler``, ``runner_python``
 (total minus those three: the runner's own Python and the logits processors), and the scheduler's
 ``schedule`` and ``update`` around the step. ``--seeded`` and ``--penalties`` give every request a
-seed and presence / repetition penalties (the per-request paths of the runner).
+seed and presence / repetition penalties (the per-request paths of the runner). ``model`` counts the captured
+decode step where the layer kernels made one (``--enforce-eager`` to time the eager model instead).
 
     python scripts/profile_decode_step.py [--dtype float32] [--steps-json out.json]
+    python scripts/profile_decode_step.py --num-requests 1 --quantization gguf [--enforce-eager]  # one stream
 
 Run it against another checkout of the engine with PYTHONPATH=<checkout>/core to compare before/after.
 """
@@ -20,9 +22,9 @@ import json
 import statistics
 import time
 
-import torch
+from engine import LLM, SamplingParams  # before torch: engine sets OMP_WAIT_POLICY=PASSIVE for OpenMP's start-up
 
-from engine import LLM, SamplingParams
+import torch  # noqa: E402
 
 
 class Timer:
@@ -46,14 +48,20 @@ def main() -> None:
     parser.add_argument("--seeded", action="store_true", help="give every request its own seed")
     parser.add_argument("--penalties", action="store_true",
                         help="every request asks for presence and repetition penalties (a logits processor)")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true", help="time the eager model, not the captured step")
     parser.add_argument("--steps-json", help="also write every measured step")
     args = parser.parse_args()
 
-    llm = LLM(dtype=args.dtype, max_num_seqs=max(256, args.num_requests))
+    llm = LLM(dtype=args.dtype, max_num_seqs=max(256, args.num_requests), quantization=args.quantization,
+              enforce_eager=args.enforce_eager)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     steps: list[dict] = []
     current: dict = {}
     runner.model.forward = Timer(runner.model.forward, current, "model")
+    if runner.decode_step is not None:
+        runner.decode_step = Timer(runner.decode_step, current, "model")
+        runner.decode_step.max_batch_size = runner.decode_step.fn.max_batch_size
     runner.model.compute_logits = Timer(runner.model.compute_logits, current, "logits")
     runner.sampler = Timer(runner.sampler, current, "sampler")
     execute = runner.execute_model
@@ -101,7 +109,8 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     keys = ["total", "model", "logits", "sampler", "runner_python", "schedule", "update"]
     summary = {key: round(statistics.median(s.get(key) or 0.0 for s in steps) * 1e3, 3) for key in keys}
-    summary.update(decode_steps=len(steps), dtype=args.dtype, seeded=args.seeded, penalties=args.penalties, threads=torch.get_num_threads(),
+    summary.update(decode_steps=len(steps), captured_steps=runner.num_captured_steps, dtype=args.dtype,
+                   quantization=args.quantization, seeded=args.seeded, penalties=args.penalties, threads=torch.get_num_threads(),
                    isa=torch.backends.cpu.get_cpu_capability())
     print(json.dumps(summary))
     if args.steps_json:

@@ -62,6 +62,37 @@ def test_every_plugin_key_takes_a_list_for_ab():
             assert [label for label, _ in variants] == ["a", "b"], kind.name
 
 
+def test_ab_takes_any_config_key_crossed_with_the_kind_lists(tiny_llama, tmp_path):
+    """``--ab KEY=V1,V2`` (flat or dotted keys, booleans included) crosses with the kind lists; an unknown key is a
+    ConfigError naming the flag; the variants run and report under their labels."""
+    import argparse
+
+    from engine.bench.cli import _ab_flag, _split_variants
+    from engine.config import ConfigError, VllmConfig
+    from engine.entrypoints.config_flags import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    _ab_flag(parser)
+    add_config_flags(parser)
+    base, variants = _split_variants(parser.parse_args(["--quantization", "gguf,none", "--ab", "enforce_eager=true,false",
+                                                        "--ab", "cache.block_size=16,32", "--enforce-eager"]))
+    assert "enforce_eager" not in base.get("model", {})  # the A/B key wins over the plain flag
+    assert [label for label, _ in variants][:3] == ["gguf+enforce_eager=true+block_size=16",
+                                                    "gguf+enforce_eager=true+block_size=32",
+                                                    "gguf+enforce_eager=false+block_size=16"]
+    assert len(variants) == 8
+    assert VllmConfig.load(**variants[2][1]).model.enforce_eager is False
+    with pytest.raises(ConfigError, match="--ab 'no_such_key=1,2'"):
+        _split_variants(parser.parse_args(["--ab", "no_such_key=1,2"]))
+    out = tmp_path / "lat.json"
+    result = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "latency", "--model", tiny_llama,
+                             "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--iterations", "1",
+                             "--ab", "enforce_eager=true,false", "--kv-cache-memory", "32MiB", "--output", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "enforce_eager=true" in out.read_text() and "enforce_eager=false" in out.read_text()
+
+
 def test_throughput_with_transformers_peer(tiny_llama, tmp_path):
     out = tmp_path / "peer.json"
     result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",

@@ -61,6 +61,9 @@ class ModelConfig(_Section):
         "auto", description="weights and activations dtype; auto = the checkpoint's (float32 for GGUF)")
     max_model_len: Optional[int] = Field(None, gt=0, description="context length; defaults to the model's")
     quantization: str = plugin_choice("quantization")
+    enforce_eager: bool = Field(False, description="run every step through the Python layers; false lets the layer "
+                                "kernels replay a captured decode step where they can (vLLM's flag; the eager "
+                                "path is the reference the capture is tested against)")
     seed: int = Field(0, description="seed of the global random generator")
     served_model_name: Optional[str] = Field(None, description="model name reported by the API")
     max_logprobs: int = Field(20, ge=0, description="most logprobs / prompt_logprobs a request may ask for")

@@ -19,6 +19,10 @@ setup(
         # into fused multiply-adds beyond the explicit ones, so every tile shape rounds alike (rows batch-invariant)
         CppExtension("engine_attention_cpu._quant", ["engine_attention_cpu/csrc/quant_gemm.cpp"],
                      extra_compile_args=FLAGS + ["-ffp-contract=off"], extra_link_args=["-fopenmp"]),
+        # the decode step captured in C++: compiles the four kernel sources above in (their bindings left out), each
+        # with its own contraction setting (pragmas), so a replayed step calls the same code as the eager layers
+        CppExtension("engine_attention_cpu._graph", ["engine_attention_cpu/csrc/decode_graph.cpp"],
+                     extra_compile_args=FLAGS, extra_link_args=["-fopenmp"]),
     ],
     cmdclass={"build_ext": BuildExtension},
 )

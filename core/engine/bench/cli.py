@@ -8,7 +8,7 @@ import json
 
 from engine.bench.neighbours import noisy_neighbours
 from engine.bench.stats import environment, write_json
-from engine.config import ConfigError
+from engine.config import ConfigError, flat_key_index
 from engine.entrypoints.config_flags import add_config_flags, config_overrides_from_args
 from engine.hookspecs import KINDS
 
@@ -37,6 +37,12 @@ def _neighbour_flag(parser: argparse.ArgumentParser) -> None:
                         metavar="N", help="run N busy processes through every measured run (engine and peers alike)")
 
 
+def _ab_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ab", action="append", default=[], metavar="KEY=V1,V2",
+                        help="A/B over any config key (flat or dotted: --ab enforce_eager=true,false); repeatable, "
+                             "crossed with the plugin-kind and --dtype lists")
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks (JSON + PNG output)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -59,6 +65,7 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--no-bound", dest="bound", action="store_false",
                     help="skip measuring the machine's best products (the bound each result is a share of)")
     _neighbour_flag(tp)
+    _ab_flag(tp)
     add_config_flags(tp)
     tp.set_defaults(func=cmd_throughput)
 
@@ -82,6 +89,7 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--peer-binary", help="llama-bench (../shared/bench/build_llama_cpp.sh builds it)")
     lat.add_argument("--peer-model", help="the GGUF file llama-bench runs (the engine's --model by default)")
     _neighbour_flag(lat)
+    _ab_flag(lat)
     add_config_flags(lat)
     lat.set_defaults(func=cmd_latency)
 
@@ -128,6 +136,18 @@ def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
                         for label, over in variants for name in names]
         elif isinstance(value, str) and variants == [("default", {})]:
             variants = [(value, {})]
+    for entry in getattr(args, "ab", []):
+        key, _, values = entry.partition("=")
+        dotted = flat_key_index().get(key.strip(), key.strip())
+        names = [v.strip() for v in values.split(",") if v.strip()]
+        if dotted not in flat_key_index().values() or not names:
+            raise ConfigError(f"--ab {entry!r}: expected KEY=V1,V2 with a config key (such as enforce_eager or "
+                              "model.enforce_eager)")
+        section, field = dotted.split(".", 1)
+        base.get(section, {}).pop(field, None)
+        short = key.strip().split(".")[-1]
+        variants = [(f"{label}+{short}={name}" if label != "default" else f"{short}={name}", {**over, dotted: name})
+                    for label, over in variants for name in names]
     return base, variants
 
 
@@ -257,19 +277,28 @@ def cmd_latency(args) -> int:
     require_bench_extra(*(["matplotlib"] if args.plot else []))
     if args.compare_peer:
         return cmd_latency_against_llama_cpp(args)
-    from engine.bench.offline import run_latency
+    from engine.bench.offline import _in_fresh_process, run_latency
 
+    base, variants = _split_variants(args)
     with noisy_neighbours(args.noisy_neighbour):
-        result = run_latency(config_overrides_from_args(args), args.batch_size, args.input_len, args.output_len,
-                             args.iterations, args.warmup)
-    print(json.dumps({k: v for k, v in result.items() if k != "latencies_s"}, indent=1))
+        if len(variants) == 1:
+            results = {variants[0][0]: run_latency({**base, **variants[0][1]}, args.batch_size, args.input_len,
+                                                   args.output_len, args.iterations, args.warmup)}
+        else:  # each variant in its own process (its own peak memory, no state carried over)
+            results = {label: _in_fresh_process(run_latency, {**base, **overrides}, args.batch_size, args.input_len,
+                                                args.output_len, args.iterations, args.warmup)
+                       for label, overrides in variants}
+    summary = {label: {k: v for k, v in result.items() if k != "latencies_s"} for label, result in results.items()}
+    print(json.dumps(next(iter(summary.values())) if len(results) == 1 else summary, indent=1))
     if args.output:
-        write_json(args.output, {"benchmark": "latency", "environment": environment(), **result})
+        body = next(iter(results.values())) if len(results) == 1 else {"variants": results}
+        write_json(args.output, {"benchmark": "latency", "environment": environment(), **body})
     if args.plot:
         from engine.bench.plot import cdf_plot
 
-        cdf_plot(args.plot, {f"batch {args.batch_size}": result["latencies_s"]}, "batch latency (s)",
-                 "engine bench latency")
+        cdf_plot(args.plot, {(f"batch {args.batch_size}" if len(results) == 1 else f"{label}, batch {args.batch_size}"):
+                             result["latencies_s"] for label, result in results.items()},
+                 "batch latency (s)", "engine bench latency")
     return 0
 
 

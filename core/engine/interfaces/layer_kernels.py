@@ -15,6 +15,23 @@ import torch
 from engine.interfaces.base import Pluggable
 
 
+class DecodeCaptureUnsupported(Exception):
+    """Why a model's decode step cannot be captured (it then runs eagerly)."""
+
+
+class CapturedDecodeStep:
+    """A model's pure-decode step captured once and replayed without Python between its kernels (the role of
+    CUDA graphs): the same kernels in the same order as the eager model, so the same bits."""
+
+    max_batch_size: int = 0  # the most requests (one token each) a replay takes
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata: list) -> Optional[torch.Tensor]:
+        """The final hidden states of a step whose every token is a decode token, or None when this step is not
+        one the capture takes (the runner then runs the model eagerly)."""
+        raise NotImplementedError
+
+
 class LayerKernels(Pluggable):
     """Kernels for RMSNorm, SiLU-and-multiply, rotary embeddings and the linear layers' products;
     chosen by ``device.layer_kernels``."""
@@ -62,3 +79,9 @@ class LayerKernels(Pluggable):
         rotate_half's sign (``-sin`` on its first half); values past ``rotary_dim`` pass through.
         query and key may be rotated in place (they may be views of one fused QKV output).
         """
+
+    def capture_decode_step(self, model: torch.nn.Module, attention_layers: dict) -> CapturedDecodeStep:
+        """The model's decode step captured for replay (after its KV caches are allocated, once per allocation),
+        or ``DecodeCaptureUnsupported`` saying why not; the runner replays it unless ``model.enforce_eager``.
+        By default the layers run eagerly."""
+        raise DecodeCaptureUnsupported(f"the '{self.name}' layer kernels run the decode step eagerly")

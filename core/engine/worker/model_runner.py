@@ -13,7 +13,7 @@ from engine.config import VllmConfig
 from engine.distributed.parallel_state import get_tp_group
 from engine.forward_context import set_forward_context
 from engine.interfaces.attention import CommonAttentionMetadata
-from engine.interfaces.layer_kernels import LayerKernels
+from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUnsupported, LayerKernels
 from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.sampler import SamplingMetadata
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
@@ -48,6 +48,8 @@ class ModelRunner:
         self.model = None
         self.attention_layers: dict[str, Attention] = {}
         self.builders: list = []
+        self.decode_step: Optional[CapturedDecodeStep] = None  # the captured decode step, unless enforce_eager
+        self.num_captured_steps = 0  # steps the capture ran (the rest ran eagerly)
 
     # ---- set-up --------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -89,6 +91,31 @@ class ModelRunner:
         self.input_batch = InputBatch(self.vllm_config.scheduler.max_num_seqs, self.model_info.max_model_len,
                                       [group.spec.block_size for group in kv_cache_config.groups],
                                       len(self.logits_processors))
+        self.decode_step = self._capture_decode_step()
+
+    def _capture_decode_step(self) -> Optional[CapturedDecodeStep]:
+        """The layer kernels' capture of the pure-decode step over the caches just allocated (None: eager)."""
+        if self.vllm_config.model.enforce_eager or self.layer_kernels is None:
+            return None
+        try:
+            step = self.layer_kernels.capture_decode_step(self.model, self.attention_layers)
+        except DecodeCaptureUnsupported as reason:
+            logger.info("decode step not captured (it runs eagerly): %s", reason)
+            return None
+        logger.info("decode step captured by the '%s' layer kernels (pure decode steps of up to %d requests)",
+                    self.layer_kernels.name, step.max_batch_size)
+        return step
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list,
+                   max_query_len: int) -> torch.Tensor:
+        """The final hidden states: the captured decode step where it takes this step, else the eager model."""
+        if self.decode_step is not None and max_query_len == 1 and len(input_ids) <= self.decode_step.max_batch_size:
+            hidden_states = self.decode_step(input_ids, positions, metadata)
+            if hidden_states is not None:
+                self.num_captured_steps += 1
+                return hidden_states
+        with set_forward_context(metadata):
+            return self.model(input_ids, positions)
 
 
     # ---- one step ------------------------------------------------------------------------------
@@ -206,8 +233,7 @@ class ModelRunner:
         batch = self.input_batch
         req_ids, num_scheduled, input_ids, positions, metadata, sampling_rows, logits_indices = \
             self._prepare_inputs(scheduler_output)
-        with set_forward_context(metadata):
-            hidden_states = self.model(input_ids, positions)
+        hidden_states = self._run_model(input_ids, positions, metadata, int(num_scheduled.max()))
         prompt_logprobs = {}
         if (batch.num_prompt_logprobs[:len(req_ids)] >= 0).any():
             query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])

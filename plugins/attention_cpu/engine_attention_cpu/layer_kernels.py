@@ -81,6 +81,12 @@ class CpuLayerKernels(NativeLayerKernels):
 
         return CpuPackedLinear(weight, bias)
 
+    def capture_decode_step(self, model, attention_layers):
+        """The decoder-layer loop of a Llama-shaped model replayed in C++ for pure decode steps (``decode_graph``)."""
+        from engine_attention_cpu.decode_graph import capture_decode_step
+
+        return capture_decode_step(self, model, attention_layers)
+
     def rms_norm(self, x, weight, eps):
         if not _cpu_rows(x):
             return super().rms_norm(x, weight, eps)

@@ -19,7 +19,7 @@ from engine.attention.torch_backend import (PrefillChunk, TorchAttentionImpl, To
                                             split_decodes)
 from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
 
-ENGINE_CONTRACT_VERSION = "1.2"
+ENGINE_CONTRACT_VERSION = "1.5"
 
 
 @dataclass

@@ -87,3 +87,26 @@ def test_quantized_products_match_dequantize_then_multiply(kernels, fmt):
         assert out.shape == expected.shape and out.dtype == torch.float32, candidate.name
         assert ((out - expected).abs() <= allowed).all(), candidate.name
         assert product(x.bfloat16()).dtype == torch.bfloat16, candidate.name
+
+
+def test_a_captured_decode_step_gives_the_eager_bits(layer_kernels_name, tiny_model):
+    """Layer kernels that capture the decode step (``capture_decode_step``): whole greedy generations with logprobs
+    equal the eager model's bit for bit; kernels that do not capture are skipped."""
+    from engine import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 110 + 13 * i))} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    results, captured = {}, {}
+    for enforce_eager in (True, False):
+        llm = LLM(model=tiny_model, layer_kernels=layer_kernels_name, dtype="float32", kv_cache_memory="32MiB",
+                  enforce_eager=enforce_eager)
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[enforce_eager] = [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
+                                                            for d in o.outputs[0].logprobs]) for o in outputs]
+        captured[enforce_eager] = (runner.decode_step is not None, runner.num_captured_steps)
+        llm.shutdown()
+    if not captured[False][0]:
+        pytest.skip(f"the '{layer_kernels_name}' layer kernels do not capture this model's decode step")
+    assert captured[False][1] > 0 and captured[True] == (False, 0)
+    assert results[False] == results[True]

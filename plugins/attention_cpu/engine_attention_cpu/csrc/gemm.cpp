@@ -334,6 +334,7 @@ torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch
 
 }  // namespace engine_cpu
 
+#ifndef ENGINE_KERNELS_NO_MODULE  // the decode graph (decode_graph.cpp) compiles this file in, bindings left out
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &engine_cpu::available, "True when built with the AVX2 + FMA kernels");
   m.def("pack_weight", &engine_cpu::pack_weight, "weight [N, K] as [ceil(N/16), K, 16] float32 panels");
@@ -344,3 +345,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
+#endif

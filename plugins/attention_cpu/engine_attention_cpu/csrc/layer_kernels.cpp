@@ -204,9 +204,11 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
 
 }  // namespace
 
+#ifndef ENGINE_KERNELS_NO_MODULE  // the decode graph (decode_graph.cpp) compiles this file in, bindings left out
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :d]) * x[:, d:] (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "GPT-NeoX rotary embedding of query and key, in place (CPU)");
 }
+#endif

@@ -318,7 +318,9 @@ void write_kv_cache(torch::Tensor key_cache, torch::Tensor value_cache, torch::T
   }
 }
 
+#ifndef ENGINE_KERNELS_NO_MODULE  // the decode graph (decode_graph.cpp) compiles this file in, bindings left out
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("write_kv_cache", &write_kv_cache, "key/value rows into the paged caches at their slots (CPU)");
 }
+#endif

@@ -277,6 +277,7 @@ std::vector<std::tuple<std::string, bool>> variants() {
 
 }  // namespace engine_quant
 
+#ifndef ENGINE_KERNELS_NO_MODULE  // the decode graph (decode_graph.cpp) compiles this file in, bindings left out
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("variants", &engine_quant::variants, "[(variant, whether this CPU runs it)] in variant-id order");
   m.def("linear", &engine_quant::linear, "out = x @ W.T (+ bias), W quantized (format id, variant id)",
@@ -288,3 +289,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &engine_quant::dequantize, "out [N, K] float32 = W");
   m.def("dequantize_panels", &engine_quant::dequantize_panels, "out [ceil(N/16), K, 16] float32 panels of W");
 }
+#endif

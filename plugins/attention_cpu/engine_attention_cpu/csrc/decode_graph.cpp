@@ -1,0 +1,212 @@
+// The decode step captured once and replayed in C++: the decoder-layer loop of a Llama-shaped model (norms,
+// products, RoPE, KV write, paged decode attention, SiLU-and-multiply) for pure decode steps, with no Python
+// between the kernels, the role CUDA graphs play on a GPU.
+//
+// It calls the very kernels the eager layers call, in the same order on the same tensors, so a captured step
+// gives the eager step's bits: this file compiles those kernel sources in (their Python bindings left out),
+// each with the floating-point contraction it is built with on its own (-ffp-contract=off for the layer and
+// integer-dot kernels, the compiler's default for the GEMM and attention).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "spin_pool.h"
+#include "vec_avx2.h"
+
+#define ENGINE_KERNELS_NO_MODULE 1
+
+#include "gemm.cpp"  // namespace engine_cpu
+namespace engine_attention {
+#include "paged_attention.cpp"
+}  // namespace engine_attention
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+namespace engine_layers {
+#include "layer_kernels.cpp"
+}  // namespace engine_layers
+#include "quant_gemm.cpp"  // namespace engine_quant
+#pragma GCC pop_options
+
+namespace engine_graph {
+
+// One linear layer's product at decode row counts: the float32 AVX2 GEMM on packed panels, integer block dot
+// products on a packed quantized weight (the same entry points as CpuPackedLinear and QuantDotProduct), or, where
+// the measurement chose a product outside this plugin (torch's, oneDNN's), that Python callable, called with the
+// GIL taken for it.
+struct Product {
+  enum Kind { kGemm, kQuant, kPython } kind = kGemm;
+  torch::Tensor weight;  // panels [ceil(N/16), K, 16] float32, or packed blocks [N, bytes]
+  c10::optional<torch::Tensor> scales, bias;
+  int64_t format = 0, variant = 0, out_features = 0;
+  std::shared_ptr<py::object> callable;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (kind) {
+      case kQuant: return engine_quant::forward(x, weight, scales, format, variant, bias, out_features);
+      case kGemm: return engine_cpu::forward(x, weight, bias, out_features);
+      default: {
+        py::gil_scoped_acquire gil;
+        return (*callable)(x).cast<torch::Tensor>();
+      }
+    }
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;  // float32
+  double eps;
+  Product qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> o_bias, down_bias;  // row-parallel biases, added after the product
+  int64_t num_heads, num_kv_heads, head_size;
+  double scale, soft_cap;
+  int64_t sliding_window;
+  torch::Tensor cos, sin;  // RoPE tables [max_position, rotary_dim] float32
+  torch::Tensor kv_cache;  // [2, blocks, kv_heads, block_size, head_size]
+};
+
+class DecodeGraph {
+ public:
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<py::tuple> products,
+                 c10::optional<torch::Tensor> o_bias, c10::optional<torch::Tensor> down_bias, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_size, double scale, double soft_cap, int64_t sliding_window,
+                 torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache) {
+    TORCH_CHECK(products.size() == 4, "a layer has four products: qkv, o, gate_up, down");
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, kv_heads, block, D]");
+    Layer layer{input_norm.to(torch::kFloat32).contiguous(), post_norm.to(torch::kFloat32).contiguous(), eps};
+    layer.qkv = product(products[0]);
+    layer.o = product(products[1]);
+    layer.gate_up = product(products[2]);
+    layer.down = product(products[3]);
+    layer.o_bias = o_bias;
+    layer.down_bias = down_bias;
+    layer.num_heads = num_heads;
+    layer.num_kv_heads = num_kv_heads;
+    layer.head_size = head_size;
+    layer.scale = scale;
+    layer.soft_cap = soft_cap;
+    layer.sliding_window = sliding_window;
+    layer.cos = cos;
+    layer.sin = sin;
+    layer.kv_cache = kv_cache;
+    layers_.push_back(std::move(layer));
+  }
+
+  void set_final_norm(torch::Tensor weight, double eps) {
+    final_norm_ = weight.to(torch::kFloat32).contiguous();
+    final_eps_ = eps;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [T, H] (the embedded tokens, one per request), positions [T], slot_mapping [T] int64, block_table
+  // [T, max_blocks] int32, seq_lens [T] int32 -> the final norm's output [T, H], as LlamaModel.forward gives it.
+  torch::Tensor run(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
+                    torch::Tensor block_table, torch::Tensor seq_lens) {
+    TORCH_CHECK(!layers_.empty() && final_norm_.defined(), "the decode graph has no layers");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden states: contiguous [tokens, hidden]");
+    const int64_t tokens = hidden.size(0);
+    const torch::Tensor pos = positions.to(torch::kInt64).contiguous();
+    torch::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      if (i == 0) {
+        residual = hidden;
+        hidden = at::empty_like(residual);
+        engine_layers::rms_norm(hidden, residual, L.input_norm, L.eps);
+      } else {
+        engine_layers::fused_add_rms_norm(hidden, residual, L.input_norm, L.eps);
+      }
+      const int64_t q_size = L.num_heads * L.head_size, kv_size = L.num_kv_heads * L.head_size;
+      const torch::Tensor qkv = L.qkv(hidden);
+      const torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
+                          v = qkv.narrow(1, q_size + kv_size, kv_size);
+      engine_layers::rotary_embedding(pos, q, k, L.cos, L.sin, L.head_size);
+      const torch::Tensor key_cache = L.kv_cache.select(0, 0).transpose(1, 2),
+                          value_cache = L.kv_cache.select(0, 1).transpose(1, 2);
+      engine_attention::write_kv_cache(key_cache, value_cache, k.view({tokens, L.num_kv_heads, L.head_size}),
+                                       v.view({tokens, L.num_kv_heads, L.head_size}), slot_mapping);
+      torch::Tensor attn = at::empty({tokens, L.num_heads, L.head_size}, hidden.options());
+      engine_attention::paged_decode_attention(attn, q.view({tokens, L.num_heads, L.head_size}).contiguous(),
+                                               key_cache, value_cache, block_table, seq_lens, L.scale, L.soft_cap,
+                                               L.sliding_window);
+      hidden = L.o(attn.view({tokens, q_size}));
+      if (L.o_bias.has_value()) hidden = hidden + *L.o_bias;
+      engine_layers::fused_add_rms_norm(hidden, residual, L.post_norm, L.eps);
+      const torch::Tensor gate_up = L.gate_up(hidden);
+      torch::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
+      engine_layers::silu_and_mul(act, gate_up);
+      hidden = L.down(act);
+      if (L.down_bias.has_value()) hidden = hidden + *L.down_bias;
+    }
+    engine_layers::fused_add_rms_norm(hidden, residual, final_norm_, final_eps_);
+    return hidden;
+  }
+
+ private:
+  // ("gemm", panels, bias, out_features), ("quant", data, scales, bias, format, variant, out_features) or
+  // ("python", callable)
+  static Product product(const py::tuple& spec) {
+    Product p;
+    const std::string kind = spec[0].cast<std::string>();
+    if (kind == "python") {
+      TORCH_CHECK(spec.size() == 2, "a python product is (\"python\", callable)");
+      p.kind = Product::kPython;
+      // released with the GIL held: the graph is destroyed from Python
+      p.callable = std::make_shared<py::object>(spec[1]);
+      return p;
+    }
+    p.weight = spec[1].cast<torch::Tensor>();
+    if (kind == "gemm") {
+      TORCH_CHECK(spec.size() == 4, "a gemm product is (\"gemm\", panels, bias, out_features)");
+      p.bias = spec[2].cast<c10::optional<torch::Tensor>>();
+      p.out_features = spec[3].cast<int64_t>();
+    } else {
+      TORCH_CHECK(kind == "quant" && spec.size() == 7,
+                  "a product is (\"gemm\", panels, bias, n) or (\"quant\", data, scales, bias, format, variant, n)");
+      p.kind = Product::kQuant;
+      p.scales = spec[2].cast<c10::optional<torch::Tensor>>();
+      p.bias = spec[3].cast<c10::optional<torch::Tensor>>();
+      p.format = spec[4].cast<int64_t>();
+      p.variant = spec[5].cast<int64_t>();
+      p.out_features = spec[6].cast<int64_t>();
+      TORCH_CHECK(engine_quant::cpu_has(static_cast<int>(p.variant)), "this CPU lacks the instructions of variant ",
+                  p.variant);
+    }
+    return p;
+  }
+
+  std::vector<Layer> layers_;
+  torch::Tensor final_norm_;
+  double final_eps_ = 0;
+};
+
+}  // namespace engine_graph
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<engine_graph::DecodeGraph>(m, "DecodeGraph")
+      .def(py::init<>())
+      .def("add_layer", &engine_graph::DecodeGraph::add_layer, py::arg("input_norm"), py::arg("post_norm"),
+           py::arg("eps"), py::arg("products"), py::arg("o_bias"), py::arg("down_bias"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_size"), py::arg("scale"), py::arg("soft_cap"),
+           py::arg("sliding_window"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"))
+      .def("set_final_norm", &engine_graph::DecodeGraph::set_final_norm)
+      .def("num_layers", &engine_graph::DecodeGraph::num_layers)
+      // without the GIL, as the eager kernels: the engine's other Python threads run during the step
+      .def("run", &engine_graph::DecodeGraph::run, py::arg("hidden"), py::arg("positions"),
+           py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"),
+           py::call_guard<py::gil_scoped_release>());
+}

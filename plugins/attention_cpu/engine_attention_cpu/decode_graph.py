@@ -1,0 +1,134 @@
+"""The ``cpu`` layer kernels' captured decode step: a Llama-shaped model's decoder-layer loop handed once to C++
+(``csrc/decode_graph.cpp``, module ``_graph``) and replayed there for every pure-decode step of up to
+``ROW_BUCKETS[0].max_rows`` requests, with no Python between the kernels.
+
+The capture records the tensors the eager layers use (packed products as chosen for that row bucket, norm
+weights, RoPE tables, KV caches) and the graph calls the same C++ kernels in the same order, so a replayed step
+gives the eager step's bits. Anything the C++ loop does not do as the eager layers do (another model family,
+tensor parallelism, a product or attention backend outside this plugin) is refused with the reason, and the
+step stays eager.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from engine.distributed.parallel_state import get_tp_group
+from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUnsupported
+from engine.model.layers.activation import SiluAndMul
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.product_choice import ROW_BUCKETS, BucketedProduct
+from engine.model.layers.rotary import RotaryEmbedding
+from engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+MAX_BATCH_SIZE = int(ROW_BUCKETS[0].max_rows)  # the products are resolved for the smallest row bucket
+
+
+def _require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise DecodeCaptureUnsupported(reason)
+
+
+def _same_forward(module: torch.nn.Module, reference: type) -> bool:
+    """The module runs ``reference``'s forward (a subclass may change only what the capture reads as data)."""
+    return type(module).forward is reference.forward
+
+
+def product_spec(name: str, product) -> tuple:
+    """The C++ description of the product a linear layer runs at up to MAX_BATCH_SIZE rows (a product from outside
+    this plugin, such as torch's where it measured faster on a small shape, is called back in Python)."""
+    from engine_attention_cpu.gemm import CpuPackedLinear
+    from engine_attention_cpu.quant import QuantDotProduct
+
+    if isinstance(product, BucketedProduct):
+        max_rows, product = product.products[0]
+        _require(max_rows >= MAX_BATCH_SIZE, f"{name}: its first row bucket ends below {MAX_BATCH_SIZE} rows")
+    if isinstance(product, CpuPackedLinear):
+        return ("gemm", product.panels, product.bias, product.out_features)
+    if isinstance(product, QuantDotProduct):
+        weight = product.weight
+        return ("quant", weight.data, weight.scales, product.bias, product.format_id, product.variant_id,
+                product.out_features)
+    _require(product is not None, f"{name} has no packed product (the plain torch product runs in the layer)")
+    return ("python", product)  # a product measured faster than this plugin's: the graph calls it back
+
+
+def _check_layer(index: int, layer: torch.nn.Module, kernels) -> None:
+    from engine_attention_cpu.plugin import CpuAttentionImpl
+
+    where = f"layer {index}"
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    _require(_same_forward(layer, LlamaDecoderLayer), f"{where} is a {type(layer).__name__}, not a Llama layer")
+    _require(attn is not None and _same_forward(attn, LlamaAttention) and attn.qk_norm_cls is None,
+             f"{where}'s attention is not Llama's (q/k norms or another forward)")
+    _require(mlp is not None and _same_forward(mlp, LlamaMLP) and type(mlp.act_fn) is SiluAndMul,
+             f"{where}'s MLP is not Llama's SiLU-gated MLP")
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        _require(_same_forward(norm, RMSNorm) and norm.kernels is kernels,
+                 f"{where}'s norms are not RMSNorms on these layer kernels")
+    _require(_same_forward(attn.rotary_emb, RotaryEmbedding) and attn.rotary_emb.kernels is kernels,
+             f"{where}'s rotary embedding is not RotaryEmbedding on these layer kernels")
+    impl = attn.attn.impl
+    _require(type(impl).forward is CpuAttentionImpl.forward,
+             f"{where}'s attention backend is {type(impl).__name__}, not this plugin's 'cpu' backend")
+    _require(attn.attn.kv_cache is not None and attn.attn.kv_cache_group == 0,
+             f"{where}'s KV cache is not in the first cache group (sliding-window groups stay eager)")
+
+
+class CpuCapturedDecodeStep(CapturedDecodeStep):
+    """The decoder-layer loop of one model in C++; embedding in Python before it (one call)."""
+
+    max_batch_size = MAX_BATCH_SIZE
+
+    def __init__(self, model: torch.nn.Module, graph):
+        self.model = model
+        self.graph = graph
+
+    def __call__(self, input_ids, positions, attn_metadata) -> Optional[torch.Tensor]:
+        from engine_attention_cpu.plugin import CpuAttentionMetadata
+
+        if len(attn_metadata) != 1:
+            return None
+        metadata = attn_metadata[0]
+        if not isinstance(metadata, CpuAttentionMetadata) or not metadata.all_decode \
+                or metadata.num_actual_tokens != len(input_ids) or len(input_ids) > self.max_batch_size:
+            return None
+        hidden_states = self.model.model.embed(input_ids).contiguous()
+        return self.graph.run(hidden_states, positions, metadata.slot_mapping, metadata.decode_block_table,
+                              metadata.decode_seq_lens)
+
+
+def capture_decode_step(kernels, model: torch.nn.Module, attention_layers: dict) -> CpuCapturedDecodeStep:
+    """The C++ decode graph of ``model`` over its current KV caches; DecodeCaptureUnsupported with the reason
+    where its decode step is not one the graph runs as the eager layers do."""
+    _require(importlib.util.find_spec("engine_attention_cpu._graph") is not None,
+             "the decode graph is not built (pip install --no-build-isolation plugins/attention_cpu)")
+    _require(get_tp_group().world_size == 1, "tensor-parallel ranks all-reduce between the products")
+    _require(_same_forward(model, LlamaForCausalLM) and isinstance(getattr(model, "model", None), torch.nn.Module)
+             and _same_forward(model.model, LlamaModel),
+             f"{type(model).__name__} is not a Llama-shaped model (Llama, SmolLM2, Mistral, Qwen2)")
+    decoder = model.model
+    _require(_same_forward(decoder.norm, RMSNorm) and decoder.norm.kernels is kernels,
+             "the final norm is not an RMSNorm on these layer kernels")
+    _require(len(attention_layers) == len(decoder.layers), "attention layers outside the decoder layers")
+    from engine_attention_cpu import _graph
+
+    graph = _graph.DecodeGraph()
+    for index, layer in enumerate(decoder.layers):
+        _check_layer(index, layer, kernels)
+        attn, mlp = layer.self_attn, layer.mlp
+        _require(layer.input_layernorm.eps == layer.post_attention_layernorm.eps,
+                 f"layer {index}'s two norms differ in epsilon")
+        products = [product_spec(f"layer {index}'s {name}", module.packed) for name, module in
+                    (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+                     ("down_proj", mlp.down_proj))]
+        inner = attn.attn
+        graph.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        float(layer.input_layernorm.eps), products, attn.o_proj.bias, mlp.down_proj.bias,
+                        inner.num_heads, inner.num_kv_heads, inner.head_size, float(inner.scale),
+                        float(inner.logits_soft_cap or 0.0), int(inner.sliding_window or 0),
+                        attn.rotary_emb.table.cos, attn.rotary_emb.table.sin, inner.kv_cache)
+    graph.set_final_norm(decoder.norm.weight, float(decoder.norm.eps))
+    return CpuCapturedDecodeStep(model, graph)
