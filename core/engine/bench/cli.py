@@ -131,24 +131,28 @@ def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
         value = base.get(section, {}).get(key)
         if isinstance(value, str) and "," in value:
             base[section].pop(key)
-            names = [v.strip() for v in value.split(",") if v.strip()]
-            variants = [(f"{label}+{name}" if label != "default" else name, {**over, dotted: name})
-                        for label, over in variants for name in names]
+            variants = _crossed(variants, dotted, [v.strip() for v in value.split(",") if v.strip()])
         elif isinstance(value, str) and variants == [("default", {})]:
             variants = [(value, {})]
+    keys = flat_key_index()
     for entry in getattr(args, "ab", []):
-        key, _, values = entry.partition("=")
-        dotted = flat_key_index().get(key.strip(), key.strip())
+        key, _, values = (part.strip() for part in entry.partition("="))
+        dotted = keys.get(key, key)
         names = [v.strip() for v in values.split(",") if v.strip()]
-        if dotted not in flat_key_index().values() or not names:
+        if dotted not in keys.values() or not names:
             raise ConfigError(f"--ab {entry!r}: expected KEY=V1,V2 with a config key (such as enforce_eager or "
                               "model.enforce_eager)")
         section, field = dotted.split(".", 1)
         base.get(section, {}).pop(field, None)
-        short = key.strip().split(".")[-1]
-        variants = [(f"{label}+{short}={name}" if label != "default" else f"{short}={name}", {**over, dotted: name})
-                    for label, over in variants for name in names]
+        variants = _crossed(variants, dotted, names, prefix=f"{field}=")
     return base, variants
+
+
+def _crossed(variants: list[tuple[str, dict]], dotted: str, names: list[str],
+             prefix: str = "") -> list[tuple[str, dict]]:
+    """Every variant once per value of ``dotted``, labelled ``label+<prefix><value>``."""
+    return [(f"{label}+{prefix}{name}" if label != "default" else f"{prefix}{name}", {**over, dotted: name})
+            for label, over in variants for name in names]
 
 
 def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
