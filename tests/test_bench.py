@@ -110,6 +110,38 @@ def test_w1_workload_matches_the_shared_definition():
     assert sum(r.prompt_len for r in requests) == 18117 and sum(r.output_len for r in requests) == 8819
 
 
+def test_w2_workload_is_the_shared_definition():
+    import importlib.util
+    from pathlib import Path
+
+    from engine.bench.workloads import w2_prompts
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.py"
+    if not shared.exists():
+        pytest.skip(f"the shared workload file is not here ({shared})")
+    spec = importlib.util.spec_from_file_location("shared_workload", shared)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert w2_prompts() == [prompt for prompt, _ in module.w2()]
+
+
+def test_speculative_variants_report_acceptance_and_the_ratio_to_spec_off(tiny_llama, tmp_path):
+    out, plot = tmp_path / "w2.json", tmp_path / "w2.png"
+    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "w2", "--num-prompts", "2",
+                    "--speculative-method", "none,suffix", "--ab", "max_num_seqs=1,8", "--dtype", "float32",
+                    "--no-bound", "--layer-kernels", "native", "--output", str(out), "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(rows) == ["none+max_num_seqs=1", "none+max_num_seqs=8", "suffix+max_num_seqs=1",
+                            "suffix+max_num_seqs=8"]
+    for batch in ("1", "8"):
+        spec, off = rows[f"suffix+max_num_seqs={batch}"], rows[f"none+max_num_seqs={batch}"]
+        assert spec["output_ratio_to_spec_off"] == spec["output_tokens_per_s"] / off["output_tokens_per_s"]
+        assert 0 <= spec["spec_acceptance_rate"] <= 1 and spec["spec_num_draft_tokens"] >= spec["spec_num_accepted_tokens"]
+        assert "spec_acceptance_rate" not in off
+    assert is_png(plot) and "acceptance" in result.stdout
+
+
 def test_latency_reports_percentiles(tiny_llama, tmp_path):
     out, plot = tmp_path / "lat.json", tmp_path / "lat.png"
     result = engine("bench", "latency", "--model", tiny_llama, "--batch-size", "2", "--input-len", "8",

@@ -27,7 +27,8 @@ def test_the_kit_passes_on_the_builtin_plugins(tiny_llama):
     options = ["--engine-sampler", "default", "--engine-executor", "uniproc", "--engine-executor", "multiproc",
                "--engine-kv-cache-coordinator", "unitary", "--engine-kv-cache-coordinator", "no_prefix",
                "--engine-layer-kernels", "native", "--engine-layer-kernels", "cpu", "--engine-model", tiny_llama,
-               "--engine-quantization", "int8", "--engine-quantization", "none"]
+               "--engine-quantization", "int8", "--engine-quantization", "none",
+               "--engine-proposer", "ngram", "--engine-proposer", "suffix"]
     for name in BUILTIN_PROCESSORS:
         options += ["--engine-logits-processor", name]
     summary = passed_and_skipped(run_kit(*options))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine.hookspecs import KINDS
@@ -36,6 +36,14 @@ def parse_bytes(value: Any) -> int:
     if not match or match.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"expected a size such as 2GiB or 512MiB, got {value!r}")
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def positive_bytes(value: Any) -> int:
+    """A size of at least one byte (``parse_bytes``); ValueError otherwise."""
+    size = parse_bytes(value)
+    if size <= 0:
+        raise ValueError("must be a positive size")
+    return size
 
 
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256, 512)
@@ -86,13 +94,8 @@ class CacheConfig(_Section):
             raise ValueError(f"must be one of {BLOCK_SIZES}")
         return value
 
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> int:
-        size = parse_bytes(value)
-        if size <= 0:
-            raise ValueError("must be a positive size")
-        return size
+    _bytes = field_validator("kv_cache_memory", mode="before")(
+        classmethod(lambda cls, value: positive_bytes(value)))
 
 
 class SchedulerConfig(_Section):
@@ -112,6 +115,49 @@ class ParallelConfig(_Section):
     executor: str = plugin_choice("executor")
     engine_core_process: bool = Field(False, description="run LLM's engine core in its own process over ZMQ "
                                       "(AsyncLLM and the server always do)")
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding: a proposer plugin drafts tokens, the target model verifies them in one pass."""
+
+    method: str = Field("none", description=KINDS["proposer"].choice_help)
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="most draft tokens per request and step")
+    prompt_lookup_min: Optional[int] = Field(None, ge=1, description="ngram: shortest suffix looked up in the "
+                                             "request's tokens (vLLM's default: 5, or prompt_lookup_max when set)")
+    prompt_lookup_max: Optional[int] = Field(None, ge=1, description="ngram: longest suffix looked up (default: 5, "
+                                             "or prompt_lookup_min when set)")
+    draft_model: Optional[str] = Field(None, description="draft_model: a Hugging Face folder or .gguf file with the "
+                                       "target's vocabulary, run by each worker next to the target")
+    # str first: the CLI passes sizes such as 256MiB through; the validator always stores bytes (int)
+    draft_kv_cache_memory: Union[str, int] = Field(256 * 1024**2, description="draft_model: bytes for the draft "
+                                                   "model's own KV cache (accepts 256MiB)")
+    suffix_max_tree_depth: int = Field(24, ge=2, le=256, description="suffix: longest token sequence the suffix "
+                                       "trees index (and the longest match looked for)")
+    suffix_max_cached_requests: int = Field(256, ge=0, description="suffix: finished requests whose outputs are "
+                                            "kept in the global tree, matched by every request (0: own tokens only)")
+    suffix_max_spec_factor: float = Field(1.0, gt=0, description="suffix: a match of m tokens drafts at most "
+                                          "factor x m + suffix_max_spec_offset tokens (adaptive draft length)")
+    suffix_max_spec_offset: float = Field(0.0, description="suffix: see suffix_max_spec_factor")
+    suffix_min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix: stop drafting when a token's "
+                                         "frequency among the matched continuations falls below this")
+    dynamic_speculation: bool = Field(True, description="skip drafts in steps where a step-time model fitted on this machine "
+                                            "predicts that verifying them costs more than the accepted tokens save "
+                                            "(large batches on a compute-bound CPU, low acceptance)")
+    options: dict[str, Any] = Field(default_factory=dict, description="options passed to a third-party proposer")
+
+    _draft_bytes = field_validator("draft_kv_cache_memory", mode="before")(
+        classmethod(lambda cls, value: positive_bytes(value)))
+
+    def lookup_range(self) -> tuple[int, int]:
+        """(prompt_lookup_min, prompt_lookup_max) with vLLM's defaults filled in."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 5, 5
+        low, high = low or high, high or low
+        if low > high:
+            raise ConfigError(f"speculative.prompt_lookup_min ({low}) is larger than speculative.prompt_lookup_max "
+                              f"({high})")
+        return low, high
 
 
 class AttentionConfig(_Section):
@@ -163,8 +209,10 @@ class ServerConfig(_Section):
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "parallel": ParallelConfig, "attention": AttentionConfig, "sampler": SamplerConfig,
-    "device": DeviceConfig, "server": ServerConfig,
+    "device": DeviceConfig, "server": ServerConfig, "speculative": SpeculativeConfig,
 }
+# whole sections under a second name, as vLLM spells them (`--speculative-config '{"method": "ngram"}'`)
+SECTION_ALIASES = {"speculative_config": "speculative"}
 
 # Short flat names, as users type them (`--attention flashinfer`): each plugin kind's flags, and a few more.
 FLAT_ALIASES = {
@@ -208,6 +256,18 @@ class VllmConfig(BaseSettings):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "VllmConfig":
+        if self.speculative.method != "none":
+            if self.scheduler.async_scheduling:
+                raise ValueError(
+                    "speculative.method and scheduler.async_scheduling cannot be combined: a step's drafts "
+                    "follow the previous step's sampled token, which async scheduling plans without knowing; "
+                    "set speculative.method=none or scheduler.async_scheduling=false")
+            self.speculative.lookup_range()
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -254,6 +314,10 @@ def nest_flat_keys(values: dict[str, Any]) -> dict[str, Any]:
     index = flat_key_index()
     nested: dict[str, Any] = {}
     for key, value in values.items():
+        if key.replace("-", "_") in SECTION_ALIASES:
+            key = SECTION_ALIASES[key.replace("-", "_")]
+            if isinstance(value, str):
+                value = _json_section(key, value)
         if key in SECTIONS and (isinstance(value, dict) or key not in index):
             if not isinstance(value, dict):
                 raise ConfigError(f"config section '{key}' must be a mapping, got {value!r}")
@@ -268,6 +332,18 @@ def nest_flat_keys(values: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"unknown config section '{section}' in '{key}'; choices: {sorted(SECTIONS)}")
         nested.setdefault(section, {})[field] = value
     return nested
+
+
+def _json_section(section: str, text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config section '{section}' given as JSON does not parse: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"config section '{section}' must be a JSON object, got {text!r}")
+    return value
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -1,7 +1,7 @@
 """The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
 
 A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
-contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.5"``; a different major version is
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.6"``; a different major version is
 refused, an older 1.x minor keeps working through adapters) and implements any of the hooks below with
 ``@engine.hookimpl``. Each class hook returns a list of implementation classes; every class carries a
 unique ``name``, a ``priority`` used by ``auto``, and a classmethod ``unavailable_reasons(ctx)`` that says
@@ -20,10 +20,10 @@ from typing import Callable, Optional
 import pluggy
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.5"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.6"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
-# LayerKernels.capture_decode_step
+# LayerKernels.capture_decode_step, 1.6 engine_spec_proposers
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -42,6 +42,7 @@ class PluginKind:
     construction: str  # how the engine constructs and uses an implementation
     choice_help: str  # the config field's description (what ``auto`` picks)
     returns_classes: bool = True  # False: the hook fills a registry instead (model families, loaded lazily)
+    off_value: Optional[str] = None  # a config value that turns the kind off (no implementation is selected)
 
 
 KINDS: dict[str, PluginKind] = {}
@@ -49,11 +50,11 @@ KINDS: dict[str, PluginKind] = {}
 
 def plugin_kind(name: str, *, base: str, process: str, construction: str, config_key: Optional[str] = None,
                 flags: tuple[str, ...] = (), choice_help: str = "",
-                returns_classes: bool = True) -> Callable[[Callable], Callable]:
+                returns_classes: bool = True, off_value: Optional[str] = None) -> Callable[[Callable], Callable]:
     """Declare the kind whose hookspec this decorates (and mark the function as a hookspec)."""
     def declare(function: Callable) -> Callable:
         KINDS[name] = PluginKind(name, function.__name__, base, config_key, flags, process, construction,
-                                 choice_help, returns_classes)
+                                 choice_help, returns_classes, off_value)
         return hookspec(function)
     return declare
 
@@ -161,6 +162,25 @@ def engine_quantization_methods() -> list[type]:
     by name). Constructed once per worker as ``cls()``: the loader keeps the
     checkpoint tensors of ``packed_checkpoint_formats(model_info)`` packed, then calls
     ``process_weights_after_loading(model)``, which sets ``module.quant_weight`` on the layers it quantizes.
+    """
+
+
+@plugin_kind("proposer", base="engine.interfaces.proposer:Proposer", process="worker",
+             config_key="speculative.method", flags=("speculative_method",), off_value="none",
+             construction="cls(vllm_config) once per worker (rank 0 proposes; the scheduler sends its drafts to every "
+                          "rank); load(model_runner) after the target model loads; propose(ProposalBatch) after "
+                          "each step that samples, finished(req_ids) when requests leave the batch",
+             choice_help="speculative-decoding Proposer plugin (ngram, suffix, draft_model...); none = no "
+                         "speculative decoding; auto = highest priority available")
+def engine_spec_proposers() -> list[type]:
+    """Return Proposer subclasses (``engine.interfaces.proposer``): ways of drafting tokens that the target
+    model then verifies in one forward pass (speculative decoding).
+
+    Chosen by ``speculative.method`` (``none``: off). Constructed once per worker as ``cls(vllm_config)``;
+    ``load(model_runner)`` runs after the target model has loaded (a draft model loads its weights there).
+    After every step that samples, rank 0's runner calls ``propose(batch)`` with each sampling row's tokens
+    and gets up to ``batch.max_num_drafts[i]`` draft tokens per row back; the scheduler schedules them
+    with the next step and the runner's rejection sampler keeps the ones the target model agrees with.
     """
 
 

@@ -33,6 +33,9 @@ BUILTIN_MODULES = (
     "engine.sample.builtin_logits_processors",
     "engine.model.layers.native_kernels",
     "engine.quantization.methods",
+    "engine.spec_decode.ngram",
+    "engine.spec_decode.suffix",
+    "engine.spec_decode.draft_model",
     "engine.model.registry",
 )
 

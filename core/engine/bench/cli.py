@@ -24,7 +24,8 @@ def require_bench_extra(*modules: str) -> None:
 
 
 def _workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
-    parser.add_argument("--workload", default=default, help="w1 (shared W1), random, or a JSONL file of prompts")
+    parser.add_argument("--workload", default=default, help="w1 (shared W1), w2 (shared W2: input-grounded, greedy; "
+                        "for speculative decoding), random, or a JSONL file of prompts")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests (default 64)")
     parser.add_argument("--input-len", type=int, default=256, help="random workload: prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="random / JSONL workload: output tokens")
@@ -202,6 +203,7 @@ def cmd_throughput(args) -> int:
         if bound:
             result["bound_tokens_per_s"] = bound["bound_tokens_per_s"]
             result["share_of_bound"] = result["total_tokens_per_s"] / bound["bound_tokens_per_s"]
+    _ratios_to_spec_off(results)
     by_label = {result["variant"]: result for result in results}
     for label, _, ratio_key in peers:
         for result in results:
@@ -210,6 +212,8 @@ def cmd_throughput(args) -> int:
                            ("output_tokens_per_s", "output tok/s"), ("requests_per_s", "req/s"),
                            ("ratio_to_first", "ratio"), ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
                            ("ratio_to_peer", "vs transformers"), ("share_of_bound", "of bound"),
+                           ("output_ratio_to_spec_off", "output vs spec off"),
+                           ("spec_acceptance_rate", "acceptance"), ("spec_mean_acceptance_length", "mean accepted len"),
                            ("peak_rss_mib", "peak RSS MiB")])
     for dtype, bound in bounds.items():
         print(f"bound ({dtype or 'model dtype'}): {bound['workload_tflop']} TFLOP at the best measured products "
@@ -222,14 +226,38 @@ def cmd_throughput(args) -> int:
     if args.output:
         write_json(args.output, report)
     if args.plot:
-        from engine.bench.plot import bar_plot
-
-        bar_plot(args.plot, [r["variant"] for r in results], [r["total_tokens_per_s"] for r in results],
-                 "total tokens / s (prompt + output)", f"engine bench throughput: {args.workload}, {len(requests)} requests",
-                 [f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})"
-                  + (f"\n{100 * r['share_of_bound']:.0f}% of bound" if "share_of_bound" in r else "") for r in results],
-                 bound=next(iter(bounds.values()))["bound_tokens_per_s"] if len(bounds) == 1 else None)
+        plot_throughput(args.plot, results, f"engine bench throughput: {args.workload}, {len(requests)} requests",
+                        next(iter(bounds.values()))["bound_tokens_per_s"] if len(bounds) == 1 else None)
     return 0
+
+
+def plot_throughput(path: str, results: list[dict], title: str, bound=None) -> None:
+    """Total tokens/s per variant; output tokens/s with the acceptance when variants speculate."""
+    from engine.bench.plot import bar_plot
+
+    labels = [r["variant"] for r in results]
+    if any("output_ratio_to_spec_off" in r for r in results):
+        bar_plot(path, labels, [r["output_tokens_per_s"] for r in results], "output tokens / s", title,
+                 [f"{r['output_tokens_per_s']:.1f}" + (f" (x{r['output_ratio_to_spec_off']:.2f})\naccept "
+                  f"{r['spec_acceptance_rate']:.2f}, len {r['spec_mean_acceptance_length']:.2f}"
+                  if "output_ratio_to_spec_off" in r else "") for r in results])
+        return
+    bar_plot(path, labels, [r["total_tokens_per_s"] for r in results], "total tokens / s (prompt + output)", title,
+             [f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})"
+              + (f"\n{100 * r['share_of_bound']:.0f}% of bound" if "share_of_bound" in r else "") for r in results],
+             bound=bound)
+
+
+def _ratios_to_spec_off(results: list[dict]) -> None:
+    """Each speculating variant's output tokens/s over the variant that differs only by speculative.method=none."""
+    def key(config: dict) -> tuple:
+        return tuple(sorted((k, str(v)) for k, v in config.items() if k != "speculative.method"))
+
+    spec_off = {key(r["config"]): r for r in results if r["config"].get("speculative.method") == "none"}
+    for result in results:
+        off = spec_off.get(key(result["config"]))
+        if off is not None and result is not off and "spec_acceptance_rate" in result:
+            result["output_ratio_to_spec_off"] = result["output_tokens_per_s"] / off["output_tokens_per_s"]
 
 
 def _bounds(base: dict, variants: list[tuple[str, dict]], requests) -> dict:

@@ -18,7 +18,8 @@ def _params(requests: list[BenchRequest], temperature: float):
     from engine import SamplingParams
 
     # one global seed (model.seed), no per-request seeds: what WORKLOAD.md and the vLLM peer do
-    return [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    return [SamplingParams(temperature=temperature if r.temperature is None else r.temperature, max_tokens=r.output_len,
+                           ignore_eos=r.ignore_eos) for r in requests]
 
 
 def _prompts(requests: list[BenchRequest]) -> list:
@@ -38,13 +39,24 @@ def run_throughput_once(overrides: dict[str, Any], requests: list[BenchRequest],
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    spec = llm.get_stats().spec_decoding
     llm.shutdown()
     del llm
     gc.collect()
-    return {"seconds": seconds, "startup_seconds": startup, "requests_per_s": len(requests) / seconds,
-            "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
-            "output_tokens_per_s": output_tokens / seconds, "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "peak_rss_mib": peak_rss_mib()}
+    result = {"seconds": seconds, "startup_seconds": startup, "requests_per_s": len(requests) / seconds,
+              "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
+              "output_tokens_per_s": output_tokens / seconds, "prompt_tokens": prompt_tokens,
+              "output_tokens": output_tokens, "peak_rss_mib": peak_rss_mib()}
+    if spec is not None:  # counted since start: the warm-up's few tokens are in them
+        per_position = spec.num_accepted_tokens_per_pos
+        result.update({"spec_acceptance_rate": spec.acceptance_rate,
+                       "spec_mean_acceptance_length": spec.mean_acceptance_length,
+                       "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+                       "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                       "spec_acceptance_per_position": [n / spec.num_drafts if spec.num_drafts else 0.0
+                                                        for n in per_position],
+                       "spec_steps_skipped": spec.num_steps_skipped})
+    return result
 
 
 def run_peer_transformers(model_info, requests: list[BenchRequest], temperature: float, dtype, batch_size: int = 16) -> dict:

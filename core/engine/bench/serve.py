@@ -12,7 +12,9 @@ from engine.bench.workloads import BenchRequest
 
 
 async def _one(client, url: str, model: Optional[str], request: BenchRequest, api_key: Optional[str]) -> dict:
-    body = {"prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.6, "ignore_eos": True,
+    temperature = 0.6 if request.temperature is None else request.temperature
+    body = {"prompt": request.prompt, "max_tokens": request.output_len, "temperature": temperature,
+            "ignore_eos": request.ignore_eos,
             "stream": True, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model

@@ -1,4 +1,5 @@
-"""Benchmark workloads: W1 (the project's shared workload), random, or a JSONL file of prompts."""
+"""Benchmark workloads: W1 (the project's shared workload), W2 (input-grounded, for speculative decoding),
+random, or a JSONL file of prompts."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,37 @@ class BenchRequest:
     prompt: object  # token ids (list[int]) or text
     prompt_len: int
     output_len: int
+    temperature: Optional[float] = None  # None: the bench's --temperature
+    ignore_eos: bool = True
+
+
+# W2 (shared/bench/WORKLOAD.md): sources of standard-library functions, to be repeated with one change
+W2_FUNCTIONS = [
+    "textwrap:dedent", "textwrap:indent", "shlex:quote", "json:dumps", "json:loads",
+    "difflib:get_close_matches", "calendar:monthrange", "glob:escape", "fnmatch:translate",
+    "shutil:copyfileobj", "shutil:which", "base64:b64encode", "string:capwords",
+    "heapq:nlargest", "heapq:nsmallest", "colorsys:rgb_to_hsv",
+]
+
+
+def w2_prompts() -> list[str]:
+    """W2's 16 prompt texts, built from this Python's standard library as the shared workload builds them."""
+    import importlib
+    import inspect
+
+    prompts = []
+    for name in W2_FUNCTIONS:
+        module, function = name.split(":")
+        source = inspect.getsource(getattr(importlib.import_module(module), function))
+        prompts.append(f"```python\n{source}```\n\nThe same function, unchanged except for one extra comment line "
+                       f"at its top:\n```python\n")
+    return prompts
+
+
+def w2(tokenizer, num_requests: Optional[int] = None, max_tokens: int = 256) -> list[BenchRequest]:
+    """W2: greedy, 256 output tokens at most, stopping at EOS (no ignore_eos)."""
+    return [BenchRequest(text, len(tokenizer.encode(text)), max_tokens, temperature=0.0, ignore_eos=False)
+            for text in w2_prompts()[:num_requests]]
 
 
 def w1(num_requests: int = 64, seed: int = 0) -> list[BenchRequest]:
@@ -60,5 +92,7 @@ def make_workload(name: str, args, tokenizer=None) -> list[BenchRequest]:
         from engine.model.model_info import resolve_model
         from engine.model.tokenizer import get_tokenizer
 
-        tokenizer = get_tokenizer(resolve_model(VllmConfig.load(model=args.model).model))
+        tokenizer = get_tokenizer(resolve_model(VllmConfig.load(model=getattr(args, "model", None)).model))
+    if name == "w2":
+        return w2(tokenizer, args.num_prompts)
     return jsonl_workload(name, tokenizer, args.output_len, args.num_prompts)

@@ -6,7 +6,7 @@ import json
 import typing
 from typing import Any
 
-from engine.config import FLAT_ALIASES, SECTIONS, VllmConfig
+from engine.config import FLAT_ALIASES, SECTION_ALIASES, SECTIONS, VllmConfig, _json_section
 
 
 def _flag_type(annotation) -> Any:
@@ -48,11 +48,19 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
             else:
                 group.add_argument(*flags, type=kind, choices=choices, **common)
+    for alias, section in SECTION_ALIASES.items():
+        parser.add_argument(f"--{alias.replace('_', '-')}", dest=f"cfgsection__{section}", default=None,
+                            type=lambda text, section=section: _json_section(section, text), metavar="JSON",
+                            help=f"the whole '{section}' section as a JSON object (vLLM's flag); single-key "
+                                 f"flags override its keys")
 
 
 def _flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The config flags given on the command line, as nested sections."""
     overrides: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if key.startswith("cfgsection__") and value is not None:
+            overrides.setdefault(key.split("__", 1)[1], {}).update(value)
     for key, value in vars(args).items():
         if key.startswith("cfg__") and value is not None:
             _, section, name = key.split("__", 2)

@@ -24,6 +24,10 @@ class CapturedDecodeStep:
     CUDA graphs): the same kernels in the same order as the eager model, so the same bits."""
 
     max_batch_size: int = 0  # the most requests (one token each) a replay takes
+    # True: the capture's attention also runs rows with a few query tokens past a computed context (as one decode
+    # row per token, each seeing its causal prefix), so the runner offers it speculative decoding's verification
+    # steps of up to max_batch_size tokens in all; it still returns None for any step it does not take
+    takes_short_queries: bool = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata: list) -> Optional[torch.Tensor]:

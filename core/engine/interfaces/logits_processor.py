@@ -23,12 +23,18 @@ class LogitsBatch:
 
     Contract 1.3. ``rows[i]`` is the logits row of request ``req_ids[i]``; every other attribute is
     indexed by ``i``. Tensors are built on first access, so a processor pays only for what it reads.
+
+    With speculative decoding a request has one logits row per verified position: position j of a request
+    with drafts sees its known tokens followed by its first j drafts (``num_tokens`` grows by j), so a
+    processor that reads tokens through this view acts on every position as plain decoding would.
     """
 
-    def __init__(self, rows: torch.Tensor, input_batch: "InputBatch", batch_rows: np.ndarray):
+    def __init__(self, rows: torch.Tensor, input_batch: "InputBatch", batch_rows: np.ndarray,
+                 num_tokens: "np.ndarray | None" = None):
         self.rows = rows
         self._batch = input_batch
         self._batch_rows = batch_rows
+        self._num_tokens = input_batch.num_tokens[batch_rows] if num_tokens is None else num_tokens
 
     @classmethod
     def from_requests(cls, params: list["SamplingParams"], prompt_token_ids: list[list[int]],
@@ -62,7 +68,7 @@ class LogitsBatch:
     @cached_property
     def num_tokens(self) -> torch.Tensor:
         """[n] int64: prompt and output tokens known so far."""
-        return torch.from_numpy(self._batch.num_tokens[self._batch_rows])
+        return torch.from_numpy(self._num_tokens)
 
     @property
     def num_output_tokens(self) -> torch.Tensor:
@@ -72,12 +78,14 @@ class LogitsBatch:
     def token_ids(self) -> torch.Tensor:
         """[n, L] int64: each row's prompt then output tokens, zero past ``num_tokens`` (L: the longest)."""
         width = int(self.num_tokens.max()) if len(self) else 0
-        return torch.from_numpy(self._batch.token_ids[self._batch_rows, :width].astype(np.int64))
+        ids = self._batch.token_ids[self._batch_rows, :width].astype(np.int64)
+        ids[np.arange(width)[None, :] >= self._num_tokens[:, None]] = 0  # the batch keeps drafts past a row's end
+        return torch.from_numpy(ids)
 
     def output_tail(self, i: int, length: int) -> list[int]:
         """The last ``length`` output tokens of row ``i`` (fewer when it has produced fewer)."""
         row = self._batch_rows[i]
-        end = int(self._batch.num_tokens[row])
+        end = int(self._num_tokens[i])
         start = max(int(self._batch.num_prompt_tokens[row]), end - length)
         return self._batch.token_ids[row, start:end].tolist()
 

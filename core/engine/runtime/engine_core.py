@@ -27,7 +27,8 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     """Choose every single-choice plugin before any weight is loaded; ConfigError if one cannot run."""
     plugins = get_plugin_manager()
     ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=len(set(model_info.layer_sliding_windows)))
-    requested = {kind.name: vllm_config.get_key(kind.config_key) for kind in KINDS.values() if kind.config_key}
+    requested = {kind.name: vllm_config.get_key(kind.config_key) for kind in KINDS.values()
+                 if kind.config_key and vllm_config.get_key(kind.config_key) != kind.off_value}
     chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
     for kind, impl in chosen.items():
         why = "as configured" if requested[kind] != "auto" else "auto: highest-priority available"

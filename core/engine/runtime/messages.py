@@ -44,6 +44,35 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decoding: Optional["SpecDecodingStats"] = None  # None: speculative decoding is off
+
+
+class SpecDecodingStats(msgspec.Struct):
+    """Speculative-decoding counters since start (vLLM's names), and the dynamic-speculation decisions."""
+
+    num_drafts: int = 0  # request-steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []  # index j: drafts accepted at position j
+    num_steps_skipped: int = 0  # steps whose drafts dynamic speculation left out
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying request-step: 1 + accepted drafts per draft (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.extend([0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos)))
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
 
 
 class EngineCoreRequest(msgspec.Struct):

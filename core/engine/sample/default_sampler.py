@@ -6,7 +6,7 @@ import torch
 from engine.hookspecs import hookimpl
 from engine.interfaces.sampler import Sampler, SamplerOutput, SamplingMetadata
 from engine.sampling_params import GREEDY_EPS
-from engine.sample.ops import apply_top_k_top_p, random_sample
+from engine.sample.ops import random_sample, sampling_probs
 
 
 class DefaultSampler(Sampler):
@@ -19,9 +19,7 @@ class DefaultSampler(Sampler):
         if metadata.all_greedy:
             return SamplerOutput(logits.argmax(dim=-1))
         greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before the logits are rescaled
-        temperature = torch.where(metadata.temperature < GREEDY_EPS, 1.0, metadata.temperature)
-        logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), metadata.top_k, metadata.top_p)
-        sampled = random_sample(logits.softmax(dim=-1, dtype=torch.float32), metadata.uniform())
+        sampled = random_sample(sampling_probs(logits, metadata), metadata.uniform())
         if not metadata.all_random:
             sampled = torch.where(metadata.temperature < GREEDY_EPS, greedy, sampled)
         return SamplerOutput(sampled)

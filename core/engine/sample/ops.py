@@ -26,6 +26,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, metadata) -> torch.Tensor:
+    """[N, V] float32: the distribution each sampled row draws from (temperature, then top-k / top-p).
+    Greedy rows get their untempered distribution."""
+    from engine.sampling_params import GREEDY_EPS
+
+    temperature = torch.where(metadata.temperature < GREEDY_EPS, 1.0, metadata.temperature)
+    logits = apply_top_k_top_p(logits / temperature.unsqueeze(1).to(logits.dtype), metadata.top_k, metadata.top_p)
+    return logits.softmax(dim=-1, dtype=torch.float32)
+
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)

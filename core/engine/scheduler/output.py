@@ -37,6 +37,8 @@ class SchedulerOutput(msgspec.Struct):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # finished, aborted or preempted since the last step: workers drop them
+    # draft tokens to verify, by request: they follow its known tokens and count in num_scheduled_tokens
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -47,6 +49,8 @@ class ModelRunnerOutput(msgspec.Struct):
     """Sampled tokens of one step, for the requests that reached the end of their known tokens."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # empty list for a request still in (chunked) prefill
+    # empty list for a request still in (chunked) prefill; with drafts, the accepted ones and one more token
+    sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = {}  # per sampled token, for requests asking for logprobs
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # prompt positions scored this step
+    spec_token_ids: dict[str, list[int]] = {}  # drafts proposed for the next step, by request

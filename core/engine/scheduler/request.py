@@ -49,6 +49,7 @@ class Request:
         self.num_preemptions = 0
         self.num_output_placeholders = 0  # tokens sampled by in-flight steps, not yet known here
         self.stop_reason: Optional[int | str] = None
+        self.spec_token_ids: list[int] = []  # drafts proposed after its last step, verified by the next
         self.block_hashes: list[bytes] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 

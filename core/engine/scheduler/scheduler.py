@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Iterable, Optional
+
+import msgspec
 
 from engine.config import VllmConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.spec import KVCacheConfig
-from engine.runtime.messages import EngineCoreOutput, SchedulerStats
+from engine.runtime.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from engine.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
+from engine.spec_decode.dynamic import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,11 @@ class Scheduler:
         self.num_preemptions = 0
         # requests of a step that failed: run one at a time until each has sampled, to find the culprit
         self.isolated: dict[str, None] = {}
+        speculative = vllm_config.speculative
+        self.use_spec_decode = speculative.method != "none"
+        self.spec_stats = SpecDecodingStats() if self.use_spec_decode else None
+        self.spec_policy = SpeculationPolicy(speculative.dynamic_speculation)
+        self._step_started: Optional[float] = None
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than the "
@@ -105,7 +114,9 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
         target = self._isolated_target()
+        use_drafts = self.use_spec_decode and self._drafts_pay()
 
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
@@ -113,13 +124,19 @@ class Scheduler:
             if target is not None and request.request_id != target:
                 req_index += 1
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          token_budget, self.max_model_len - request.num_computed_tokens)
+            num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            drafts = request.spec_token_ids if use_drafts else []
+            # a draft's slot is a position past the known tokens; after all are accepted one more token follows
+            drafts = drafts[:max(0, self.max_model_len - request.num_tokens - 1)]
+            if drafts and request.sampling_params.max_tokens is not None:
+                drafts = drafts[:max(0, request.sampling_params.max_tokens - request.num_output_tokens - 1)]
+            num_new = min(num_known + len(drafts), token_budget, self.max_model_len - request.num_computed_tokens)
             if self._reached_max_tokens(request):
                 num_new = 0  # in-flight steps already produce its last token
             if num_new <= 0:
                 req_index += 1
                 continue
+            drafts = drafts[:max(0, num_new - num_known)]
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # the latest admitted goes first
@@ -131,6 +148,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             token_budget -= num_new
             cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
                                                  request.num_computed_tokens))
@@ -166,14 +185,32 @@ class Scheduler:
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=sorted(self.finished_req_ids | {r.request_id for r in preempted}))
+            finished_req_ids=sorted(self.finished_req_ids | {r.request_id for r in preempted}),
+            scheduled_spec_decode_tokens=spec_tokens)
         self.finished_req_ids = set()
+        if self.use_spec_decode:
+            for request in self.running:  # drafts are for the step right after the one that proposed them
+                request.spec_token_ids = []
         for req_id, num in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we will only see later
+        self._step_started = time.perf_counter()
         return output
+
+    def _drafts_pay(self) -> bool:
+        """Dynamic speculation: whether this step should verify the running requests' drafts."""
+        num_drafts = sum(len(request.spec_token_ids) for request in self.running)
+        if not num_drafts:
+            return True
+        num_sampling = sum(1 for request in self.running if request.num_computed_tokens >= request.num_tokens - 1)
+        num_tokens = sum(min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
+                         for request in self.running)
+        if self.spec_policy.should_speculate(num_sampling, num_tokens, num_drafts):
+            return True
+        self.spec_stats.num_steps_skipped += 1
+        return False
 
     def _reached_max_tokens(self, request: Request) -> bool:
         produced = request.num_output_tokens + request.num_output_placeholders
@@ -183,6 +220,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
@@ -194,6 +232,12 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free what finished."""
+        if self._step_started is not None and not self.async_scheduling:
+            num_sampled = sum(1 for tokens in runner_output.sampled_token_ids if tokens) + sum(
+                len(drafts) for drafts in scheduler_output.scheduled_spec_decode_tokens.values())
+            self.spec_policy.observe_step(scheduler_output.total_num_scheduled_tokens, num_sampled,
+                                          time.perf_counter() - self._step_started)
+            self._step_started = None
         outputs = []
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
@@ -204,6 +248,12 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             if token_ids and self.isolated:
                 self.isolated.pop(req_id, None)  # it ran through the sampler alone: not the culprit
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and token_ids:
+                num_accepted = len(token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted  # rejected drafts' KV is recomputed
+                self.spec_stats.observe(len(drafts), num_accepted)
+                self.spec_policy.observe_acceptance(len(drafts), num_accepted)
             new_token_ids = []
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
@@ -214,6 +264,8 @@ class Scheduler:
                 # a request preempted while its step was in flight sits in the waiting queue
                 (self.running if request in self.running else self.waiting).remove(request)
                 self._free_request(request)
+            elif request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(req_id, new_token_ids, request.status.finish_reason,
                                             request.stop_reason, max(request.num_cached_tokens, 0),
@@ -242,4 +294,6 @@ class Scheduler:
         manager = self.kv_cache_manager
         stats = manager.prefix_cache_stats
         return SchedulerStats(len(self.running), len(self.waiting), manager.usage, manager.num_free_blocks,
-                              manager.num_total_blocks, stats.queries, stats.hits, self.num_preemptions)
+                              manager.num_total_blocks, stats.queries, stats.hits, self.num_preemptions,
+                              msgspec.structs.replace(self.spec_stats, num_accepted_tokens_per_pos=list(
+                                  self.spec_stats.num_accepted_tokens_per_pos)) if self.spec_stats else None)

@@ -153,6 +153,20 @@ class InputBatch:
         self.token_ids[rows, ends] = token_ids
         self.num_tokens[rows] = ends + 1
 
+    def write_drafts(self, row: int, draft_token_ids: list[int]) -> None:
+        """Place draft tokens right after the row's known tokens (they are inputs of this step, not known
+        tokens: ``num_tokens`` does not move)."""
+        end = int(self.num_tokens[row])
+        self._ensure_width(end + len(draft_token_ids) + 1)
+        self.token_ids[row, end:end + len(draft_token_ids)] = draft_token_ids
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Append several tokens to one row (the accepted drafts and the token after them)."""
+        end = int(self.num_tokens[row])
+        self._ensure_width(end + len(token_ids) + 1)
+        self.token_ids[row, end:end + len(token_ids)] = token_ids
+        self.num_tokens[row] = end + len(token_ids)
+
     def _ensure_width(self, width: int) -> None:
         if width <= self.token_ids.shape[1]:
             return

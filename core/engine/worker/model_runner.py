@@ -4,6 +4,7 @@ that produce a token."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -15,14 +16,17 @@ from engine.forward_context import set_forward_context
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUnsupported, LayerKernels
 from engine.interfaces.logits_processor import LogitsBatch
+from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.interfaces.sampler import SamplingMetadata
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from engine.model.layers.attention import Attention
 from engine.model.loader import load_model
 from engine.model.model_info import ModelInfo
 from engine.sample.logprobs import TokenLogprobs, gather_logprobs
+from engine.sample.ops import sampling_probs
 from engine.sampling_params import GREEDY_EPS
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.rejection_sampler import rejection_sample
 from engine.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -33,7 +37,8 @@ class ModelRunner:
 
     def __init__(self, vllm_config: VllmConfig, model_info: ModelInfo, device: torch.device,
                  attention_backend: type, sampler, logits_processors: list,
-                 layer_kernels: Optional[LayerKernels] = None, quantization=None):
+                 layer_kernels: Optional[LayerKernels] = None, quantization=None,
+                 proposer: Optional[Proposer] = None):
         self.vllm_config = vllm_config
         self.model_info = model_info
         self.device = device
@@ -42,6 +47,8 @@ class ModelRunner:
         self.logits_processors = logits_processors
         self.layer_kernels = layer_kernels
         self.quantization = quantization
+        self.proposer = proposer  # speculative decoding; only rank 0's proposes
+        self.num_speculative_tokens = vllm_config.speculative.num_speculative_tokens
         self.block_size = vllm_config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch: Optional[InputBatch] = None
@@ -60,6 +67,8 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.bind(self.attention_backend, options)
                 self.attention_layers[module.layer_name] = module
+        if self.proposer is not None:
+            self.proposer.load(self)
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
         specs = {}
@@ -109,8 +118,9 @@ class ModelRunner:
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list,
                    max_query_len: int) -> torch.Tensor:
         """The final hidden states: the captured decode step where it takes this step, else the eager model."""
-        if self.decode_step is not None and max_query_len == 1 and len(input_ids) <= self.decode_step.max_batch_size:
-            hidden_states = self.decode_step(input_ids, positions, metadata)
+        step = self.decode_step
+        if step is not None and len(input_ids) <= step.max_batch_size and (max_query_len == 1 or step.takes_short_queries):
+            hidden_states = step(input_ids, positions, metadata)
             if hidden_states is not None:
                 self.num_captured_steps += 1
                 return hidden_states
@@ -122,6 +132,8 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the persistent batch: O(requests that changed) row writes."""
         batch = self.input_batch
+        if self.proposer is not None and scheduler_output.finished_req_ids:
+            self.proposer.finished([r for r in scheduler_output.finished_req_ids if r in self.requests])
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
@@ -150,6 +162,8 @@ class ModelRunner:
             if any(cached.new_block_ids):
                 batch.append_block_ids(row, cached.new_block_ids)
         batch.condense()
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            batch.write_drafts(batch.req_id_to_index[req_id], drafts)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
         batch = self.input_batch
@@ -177,12 +191,22 @@ class ModelRunner:
                 max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
                 query_start_loc_np=query_start_loc, seq_lens_np=seq_lens, num_computed_tokens_np=computed.copy())
             metadata.append(builder.build(common))
-        logits_indices = torch.from_numpy(query_start_loc[1:][sampling_rows] - 1)
+        # a row with drafts samples at its last known token and at each draft: 1 + drafts positions
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = np.array([len(spec.get(req_ids[r], ())) for r in sampling_rows], dtype=np.int64) if spec \
+            else np.zeros(len(sampling_rows), dtype=np.int64)
+        ends = query_start_loc[1:][sampling_rows]
+        if spec:
+            logits_indices = np.repeat(ends, num_drafts + 1) - _counting_down(num_drafts + 1)
+        else:
+            logits_indices = ends - 1
         return (req_ids, num_scheduled, torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(positions).to(self.device), metadata, sampling_rows, logits_indices)
+                torch.from_numpy(positions).to(self.device), metadata, sampling_rows, num_drafts,
+                torch.from_numpy(logits_indices))
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """The sampling rows' settings, sliced from the batch's persistent arrays."""
+    def _sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray] = None) -> SamplingMetadata:
+        """The sampling rows' settings, sliced from the batch's persistent arrays (``offsets``: a logits row's
+        position among its request's verified positions, with speculative decoding)."""
         batch = self.input_batch
         column = lambda name: batch.sampling_column(name)[rows]
         temperature = column("temperature")
@@ -198,13 +222,17 @@ class ModelRunner:
             req_ids=[batch.req_ids[r] for r in rows],
             seeds=torch.from_numpy(batch.seeds[rows]) if any_seeded else None,
             seeded=torch.from_numpy(seeded) if any_seeded else None,
-            output_index=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]) if any_seeded else None)
+            output_index=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+                                          + (0 if offsets is None else offsets)) if any_seeded else None)
 
-    def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+    def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray,
+                                 offsets: Optional[np.ndarray] = None) -> None:
+        num_tokens = None if offsets is None else self.input_batch.num_tokens[rows] + offsets
         for processor, uses in zip(self.logits_processors, self.input_batch.uses_processor):
             asked = np.nonzero(uses[rows])[0]
             if len(asked):
-                processor.apply(logits, LogitsBatch(torch.from_numpy(asked), self.input_batch, rows[asked]))
+                processor.apply(logits, LogitsBatch(torch.from_numpy(asked), self.input_batch, rows[asked],
+                                                    None if num_tokens is None else num_tokens[asked]))
 
     def _prompt_logprobs(self, hidden_states: torch.Tensor, query_start_loc: np.ndarray) -> dict[str, list[TokenLogprobs]]:
         """Score the prompt tokens this step reaches: position p's logits rate prompt token p + 1."""
@@ -231,7 +259,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
         batch = self.input_batch
-        req_ids, num_scheduled, input_ids, positions, metadata, sampling_rows, logits_indices = \
+        req_ids, num_scheduled, input_ids, positions, metadata, sampling_rows, num_drafts, logits_indices = \
             self._prepare_inputs(scheduler_output)
         hidden_states = self._run_model(input_ids, positions, metadata, int(num_scheduled.max()))
         prompt_logprobs = {}
@@ -239,24 +267,131 @@ class ModelRunner:
             query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
             prompt_logprobs = self._prompt_logprobs(hidden_states, query_start_loc)
         batch.num_computed_tokens[:len(req_ids)] += num_scheduled
-        logprobs: dict[str, list[TokenLogprobs]] = {}
         if not len(sampling_rows):
-            return ModelRunnerOutput(req_ids, [[] for _ in req_ids], logprobs, prompt_logprobs)
+            return ModelRunnerOutput(req_ids, [[] for _ in req_ids], {}, prompt_logprobs)
+        # one logits row per sampled position: row i of sampling_rows owns 1 + num_drafts[i] of them
+        speculating = bool(num_drafts.any())
+        position_rows = np.repeat(sampling_rows, num_drafts + 1) if speculating else sampling_rows
+        offsets = (np.arange(len(position_rows)) - np.repeat(np.cumsum(num_drafts + 1) - num_drafts - 1,
+                                                              num_drafts + 1)) if speculating else None
         logits = self.model.compute_logits(hidden_states[logits_indices.to(self.device)])
-        num_logprobs = batch.num_logprobs[sampling_rows]
+        num_logprobs = batch.num_logprobs[position_rows]
         wants_logprobs = np.nonzero(num_logprobs >= 0)[0]
-        raw_logprobs = logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1) if len(wants_logprobs) else None
-        self._apply_logits_processors(logits, sampling_rows)
-        sampled = self.sampler(logits, self._sampling_metadata(sampling_rows)).sampled_token_ids
-        sampled = get_tp_group().broadcast(sampled.contiguous(), src=0).cpu()  # every rank keeps rank 0's tokens
-        batch.append_sampled(sampling_rows, sampled.numpy())
-        if len(wants_logprobs):
-            entries = gather_logprobs(raw_logprobs.cpu(), sampled[wants_logprobs], num_logprobs[wants_logprobs].tolist())
-            logprobs = {req_ids[sampling_rows[i]]: [entry] for i, entry in zip(wants_logprobs.tolist(), entries)}
+        raw_logprobs = logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1).cpu() if len(wants_logprobs) else None
+        self._apply_logits_processors(logits, position_rows, offsets)
+        sampling_metadata = self._sampling_metadata(position_rows, offsets)
+        if speculating:
+            emitted = self._verify_drafts(logits, sampling_metadata, position_rows, offsets, sampling_rows, num_drafts,
+                                          scheduler_output.scheduled_spec_decode_tokens)
+        else:
+            sampled = self.sampler(logits, sampling_metadata).sampled_token_ids
+            sampled = get_tp_group().broadcast(sampled.contiguous(), src=0).cpu()  # every rank keeps rank 0's tokens
+            batch.append_sampled(sampling_rows, sampled.numpy())
+            emitted = sampled.unsqueeze(1).tolist()
+        logprobs = self._sampled_logprobs(raw_logprobs, wants_logprobs, num_logprobs, position_rows, emitted,
+                                          num_drafts) if len(wants_logprobs) else {}
         if len(sampling_rows) == len(req_ids):
-            sampled_lists = sampled.unsqueeze(1).tolist()
+            sampled_lists = emitted
         else:
             sampled_lists = [[] for _ in req_ids]
-            for row, token_id in zip(sampling_rows.tolist(), sampled.tolist()):
-                sampled_lists[row] = [token_id]
-        return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)
+            for row, tokens in zip(sampling_rows.tolist(), emitted):
+                sampled_lists[row] = tokens
+        spec_token_ids = self._propose(sampling_rows) if self.proposer is not None else {}
+        return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, spec_token_ids)
+
+    def _verify_drafts(self, logits: torch.Tensor, metadata: SamplingMetadata, position_rows: np.ndarray,
+                       offsets: np.ndarray, sampling_rows: np.ndarray, num_drafts: np.ndarray,
+                       spec_tokens: dict[str, list[int]]) -> list[list[int]]:
+        """The rejection sampler over every row's drafts; appends the kept tokens to the batch and rolls the
+        rows' computed-token counts back past the rejected drafts."""
+        batch = self.input_batch
+        num_rows, max_drafts = len(sampling_rows), int(num_drafts.max())
+        starts = np.cumsum(num_drafts + 1) - num_drafts - 1
+        # [rows, K + 1] logits row of each position; padding repeats the row's last (bonus) position
+        index = torch.from_numpy(starts[:, None] + np.minimum(np.arange(max_drafts + 1)[None, :], num_drafts[:, None]))
+        draft_ids = torch.full((num_rows, max_drafts), -1, dtype=torch.int64)
+        for i, row in enumerate(sampling_rows.tolist()):
+            drafts = spec_tokens.get(batch.req_ids[row], ())
+            draft_ids[i, :len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
+        greedy = metadata.temperature[torch.from_numpy(starts)] < GREEDY_EPS
+        # the sampler runs where its token can be emitted: every position of a greedy row (its argmax), the
+        # bonus position of a sampled row (the others draw from the rejection rule)
+        greedy_positions = batch.sampling_column("temperature")[position_rows] < GREEDY_EPS
+        wanted = np.nonzero(greedy_positions | (offsets == np.repeat(num_drafts, num_drafts + 1)))[0]
+        sampled = torch.full((len(position_rows),), -1, dtype=torch.int64)
+        sampled[torch.from_numpy(wanted)] = self.sampler(
+            logits[torch.from_numpy(wanted).to(logits.device)],
+            self._sampling_metadata(position_rows[wanted], offsets[wanted])).sampled_token_ids.cpu()
+        target_probs = uniform = None
+        if not bool(greedy.all()):
+            def target_probs_at(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                at = index[rows, positions]
+                settings = SimpleNamespace(temperature=metadata.temperature[at],
+                                           top_k=None if metadata.top_k is None else metadata.top_k[at],
+                                           top_p=None if metadata.top_p is None else metadata.top_p[at])
+                return sampling_probs(logits[at.to(logits.device)], settings).cpu()
+
+            target_probs = target_probs_at
+            uniform = metadata.uniform(3)[:, 1:][index[:, :max_drafts]]
+        emitted = rejection_sample(draft_ids, torch.from_numpy(num_drafts), sampled[index], greedy, target_probs,
+                                   None, uniform)
+        # every rank keeps rank 0's tokens: [rows, K + 1], -1 past each row's end
+        padded = torch.full((num_rows, max_drafts + 1), -1, dtype=torch.int64)
+        for i, tokens in enumerate(emitted):
+            padded[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        padded = get_tp_group().broadcast(padded, src=0)
+        emitted = [[t for t in tokens if t >= 0] for tokens in padded.tolist()]
+        for row, tokens, drafted in zip(sampling_rows.tolist(), emitted, num_drafts.tolist()):
+            batch.append_tokens(row, tokens)
+            batch.num_computed_tokens[row] -= drafted - (len(tokens) - 1)
+        return emitted
+
+    def _sampled_logprobs(self, raw_logprobs: torch.Tensor, wants_logprobs: np.ndarray, num_logprobs: np.ndarray,
+                          position_rows: np.ndarray, emitted: list[list[int]],
+                          num_drafts: np.ndarray) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of every emitted token, from the raw logits of the position that produced it."""
+        batch = self.input_batch
+        starts = np.cumsum(num_drafts + 1) - num_drafts - 1
+        raw_index = np.full(len(position_rows), -1, dtype=np.int64)
+        raw_index[wants_logprobs] = np.arange(len(wants_logprobs))
+        picks, tokens, counts, owners = [], [], [], []
+        for i, row_tokens in enumerate(emitted):
+            if raw_index[starts[i]] < 0:
+                continue
+            owners.append((batch.req_ids[position_rows[starts[i]]], len(row_tokens)))
+            for j, token in enumerate(row_tokens):
+                picks.append(raw_index[starts[i] + j])
+                tokens.append(token)
+                counts.append(int(num_logprobs[starts[i]]))
+        entries = gather_logprobs(raw_logprobs[torch.from_numpy(np.array(picks, dtype=np.int64))],
+                                  torch.tensor(tokens, dtype=torch.int64), counts)
+        logprobs, at = {}, 0
+        for req_id, count in owners:
+            logprobs[req_id] = entries[at:at + count]
+            at += count
+        return logprobs
+
+    def _propose(self, sampling_rows: np.ndarray) -> dict[str, list[int]]:
+        """Drafts for the next step of the rows that sampled (rank 0 only: the scheduler sends them to all)."""
+        if get_tp_group().rank != 0:
+            return {}
+        batch = self.input_batch
+        num_tokens = batch.num_tokens[sampling_rows]
+        limit = np.minimum(self.num_speculative_tokens, self.model_info.max_model_len - num_tokens - 1)
+        for i, row in enumerate(sampling_rows.tolist()):
+            max_tokens = batch.params[row].max_tokens
+            if max_tokens is not None:
+                limit[i] = min(limit[i], max_tokens - (num_tokens[i] - batch.num_prompt_tokens[row]) - 1)
+        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
+        proposal = ProposalBatch(req_ids, batch.num_prompt_tokens[sampling_rows], np.maximum(limit, 0),
+                                 batch.token_ids, sampling_rows, num_tokens)
+        drafts = self.proposer.propose(proposal)
+        return {req_id: [int(t) for t in tokens[:int(cap)]]
+                for req_id, tokens, cap in zip(req_ids, drafts, proposal.max_num_drafts) if len(tokens) and cap > 0}
+
+
+def _counting_down(counts: np.ndarray) -> np.ndarray:
+    """For counts [2, 3]: [2, 1, 3, 2, 1] (each group's distance from its end)."""
+    total = int(counts.sum())
+    group_ends = np.repeat(np.cumsum(counts), counts)
+    return group_ends - np.arange(total)

@@ -54,11 +54,13 @@ class Worker:
         kernels = plugins.select("layer_kernels", self.plugin_choices["layer_kernels"], ctx)
         quantization = plugins.select("quantization", self.plugin_choices.get("quantization", "auto"), ctx)
         processors = [impl.create(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
+        proposer_name = self.plugin_choices.get("proposer")  # absent: speculative decoding is off
+        proposer = plugins.select("proposer", proposer_name, ctx).create(self.vllm_config) if proposer_name else None
         layer_kernels = kernels.cls()
         layer_kernels.configure(self.vllm_config)
         self.model_runner = ModelRunner(self.vllm_config, info, self.device, attention.cls,
                                         sampler.create(self.vllm_config), processors, layer_kernels,
-                                        quantization.create())
+                                        quantization.create(), proposer)
         self.model_runner.load_model()
 
     def get_kv_cache_spec(self):

@@ -81,6 +81,7 @@ class CpuCapturedDecodeStep(CapturedDecodeStep):
     """The decoder-layer loop of one model in C++; embedding in Python before it (one call)."""
 
     max_batch_size = MAX_BATCH_SIZE
+    takes_short_queries = True  # the cpu attention metadata runs a short query as one decode row per token
 
     def __init__(self, model: torch.nn.Module, graph):
         self.model = model
@@ -93,7 +94,7 @@ class CpuCapturedDecodeStep(CapturedDecodeStep):
             return None
         metadata = attn_metadata[0]
         if not isinstance(metadata, CpuAttentionMetadata) or not metadata.all_decode:
-            return None  # the runner checked the batch size; one token a row is what all_decode says
+            return None  # the runner checked the token count; all_decode: every token runs as a decode row
         hidden_states = self.model.model.embed(input_ids).contiguous()
         return self.graph.run(hidden_states, positions, metadata.slot_mapping, metadata.decode_block_table,
                               metadata.decode_seq_lens)

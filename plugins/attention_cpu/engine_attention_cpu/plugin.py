@@ -15,11 +15,10 @@ import numpy as np
 import torch
 
 from engine import hookimpl
-from engine.attention.torch_backend import (PrefillChunk, TorchAttentionImpl, TorchAttentionMetadataBuilder,
-                                            split_decodes)
+from engine.attention.torch_backend import PrefillChunk, TorchAttentionImpl, TorchAttentionMetadataBuilder
 from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
 
-ENGINE_CONTRACT_VERSION = "1.5"
+ENGINE_CONTRACT_VERSION = "1.6"
 
 
 @dataclass
@@ -33,18 +32,39 @@ class CpuAttentionMetadata:
     prefills: list[PrefillChunk]
 
 
+# a request continuing its context with at most this many query tokens (speculative decoding's verification of
+# drafts) attends through the paged decode kernel, one decode row per token, each seeing its causal prefix
+MAX_DECODE_LIKE_QUERY = 16
+
+
+def split_decode_like(common: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with one query token or a few past a computed context (decode kernel), and the other rows."""
+    query_lens = np.diff(common.query_start_loc_np)
+    decode_like = (query_lens == 1) | ((query_lens <= MAX_DECODE_LIKE_QUERY) & (common.num_computed_tokens_np > 0))
+    return np.nonzero(decode_like)[0], np.nonzero(~decode_like)[0]
+
+
 class CpuAttentionMetadataBuilder(TorchAttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
-        decode_rows, prefill_rows = split_decodes(common)
+        decode_rows, prefill_rows = split_decode_like(common)
         indices = table = lens = None
         all_decode = len(prefill_rows) == 0
         if len(decode_rows):
-            if all_decode:
-                table, lens = common.block_table, common.seq_lens
-            else:
-                rows = torch.from_numpy(decode_rows)
-                table, lens = common.block_table[rows].contiguous(), common.seq_lens[rows].contiguous()
-            indices = torch.from_numpy(common.query_start_loc_np[decode_rows].astype(np.int64))
+            query_lens = np.diff(common.query_start_loc_np)[decode_rows]
+            if (query_lens == 1).all():
+                if all_decode:
+                    table, lens = common.block_table, common.seq_lens
+                else:
+                    rows = torch.from_numpy(decode_rows)
+                    table, lens = common.block_table[rows].contiguous(), common.seq_lens[rows].contiguous()
+                indices = torch.from_numpy(common.query_start_loc_np[decode_rows].astype(np.int64))
+            else:  # one decode row per query token: token j of a row sees the context and the row's tokens up to j
+                starts = common.query_start_loc_np[decode_rows]
+                offsets = np.arange(int(query_lens.sum())) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+                token_lens = np.repeat(common.seq_lens_np[decode_rows] - query_lens, query_lens) + offsets + 1
+                table = common.block_table[torch.from_numpy(np.repeat(decode_rows, query_lens))]
+                lens = torch.from_numpy(token_lens.astype(np.int32))
+                indices = torch.from_numpy((np.repeat(starts, query_lens) + offsets).astype(np.int64))
         return CpuAttentionMetadata(common.num_actual_tokens, common.slot_mapping.to(torch.int64).contiguous(),
                                     indices,
                                     table if table is None else table.to(torch.int32).contiguous(),

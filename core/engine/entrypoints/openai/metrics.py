@@ -29,6 +29,15 @@ class ServerMetrics:
         self.time_to_first_token = histogram("engine_time_to_first_token_seconds", "Time to first token")
         self.inter_token_latency = histogram("engine_inter_token_latency_seconds", "Time between tokens")
         self.e2e_latency = histogram("engine_e2e_request_latency_seconds", "End-to-end request latency")
+        # speculative decoding (vLLM's names, engine_ prefix); counters advance by the engine core's totals
+        self.spec_num_drafts = counter("engine_spec_decode_num_drafts", "Request-steps that verified drafts")
+        self.spec_num_draft_tokens = counter("engine_spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_num_accepted_tokens = counter("engine_spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._spec_per_pos = Counter("engine_spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft", labels + ["position"],
+                                     registry=self.registry)
+        self._model_name = model_name
+        self._spec_seen = None  # the totals already counted
 
     def update_from_stats(self, stats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -39,6 +48,21 @@ class ServerMetrics:
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries
                                        if stats.prefix_cache_queries else 0.0)
         self.num_preemptions.set(stats.num_preemptions)
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:
+            self._count_spec(spec)
+
+    def _count_spec(self, spec) -> None:
+        seen = self._spec_seen
+        advance = lambda counter, now, before: counter.inc(max(0, now - before))
+        advance(self.spec_num_drafts, spec.num_drafts, seen.num_drafts if seen else 0)
+        advance(self.spec_num_draft_tokens, spec.num_draft_tokens, seen.num_draft_tokens if seen else 0)
+        advance(self.spec_num_accepted_tokens, spec.num_accepted_tokens, seen.num_accepted_tokens if seen else 0)
+        before = seen.num_accepted_tokens_per_pos if seen else []
+        for position, total in enumerate(spec.num_accepted_tokens_per_pos):
+            counter = self._spec_per_pos.labels(self._model_name, str(position))
+            counter.inc(max(0, total - (before[position] if position < len(before) else 0)))
+        self._spec_seen = spec
 
 
 class RequestTimer:

@@ -15,6 +15,7 @@ OPTIONS = {  # fixture name -> (option, what it names)
     "kv_cache_coordinator_name": ("--engine-kv-cache-coordinator", "a KV-cache coordinator"),
     "layer_kernels_name": ("--engine-layer-kernels", "a layer-kernels implementation"),
     "quantization_name": ("--engine-quantization", "a quantization method"),
+    "proposer_name": ("--engine-proposer", "a speculative-decoding proposer"),
     "model_path": ("--engine-model", "a Hugging Face model folder served by a model-family plugin"),
 }
 

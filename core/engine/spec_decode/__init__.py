@@ -1,0 +1,1 @@
+"""Speculative decoding: built-in proposers (ngram, suffix), the rejection sampler, dynamic speculation."""
