@@ -129,7 +129,7 @@ def test_speculative_variants_report_acceptance_and_the_ratio_to_spec_off(tiny_l
     out, plot = tmp_path / "w2.json", tmp_path / "w2.png"
     result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "w2", "--num-prompts", "2",
                     "--speculative-method", "none,suffix", "--ab", "max_num_seqs=1,8", "--dtype", "float32",
-                    "--no-bound", "--layer-kernels", "native", "--output", str(out), "--plot", str(plot))
+                    "--no-bound", "--output", str(out), "--plot", str(plot))
     assert result.returncode == 0, result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert sorted(rows) == ["none+max_num_seqs=1", "none+max_num_seqs=8", "suffix+max_num_seqs=1",
