@@ -43,7 +43,7 @@ class Scheduler:
         speculative = vllm_config.speculative
         self.use_spec_decode = speculative.method != "none"
         self.spec_stats = SpecDecodingStats() if self.use_spec_decode else None
-        self.spec_policy = SpeculationPolicy(speculative.dynamic_speculation)
+        self.spec_policy = SpeculationPolicy(speculative.dynamic_speculation) if self.use_spec_decode else None
         self._step_started: Optional[float] = None
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -196,7 +196,8 @@ class Scheduler:
             request.num_computed_tokens += num
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we will only see later
-        self._step_started = time.perf_counter()
+        if self.use_spec_decode:
+            self._step_started = time.perf_counter()  # the step's time feeds dynamic speculation's cost model
         return output
 
     def _drafts_pay(self) -> bool:
@@ -232,7 +233,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free what finished."""
-        if self._step_started is not None and not self.async_scheduling:
+        if self._step_started is not None:
             num_sampled = sum(1 for tokens in runner_output.sampled_token_ids if tokens) + sum(
                 len(drafts) for drafts in scheduler_output.scheduled_spec_decode_tokens.values())
             self.spec_policy.observe_step(scheduler_output.total_num_scheduled_tokens, num_sampled,
