@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.runtime.messages import ENCODER, EngineCoreRequest, EngineCoreRequestType
+from engine.runtime.messages import ENCODER, EngineCoreRequest, EngineCoreRequestType, engine_identity
 from tests.helpers import Server, assert_all_blocks_free, random_prompts
 
 pytestmark = pytest.mark.faults
@@ -221,7 +221,7 @@ def test_the_core_process_survives_malformed_messages(tiny_llama):
     for frames in ([EngineCoreRequestType.ADD.value, b"\xc1garbage"], [b"\x09", b""],
                    [EngineCoreRequestType.ADD.value, bad_params],
                    [EngineCoreRequestType.ABORT.value, ENCODER.encode({"not": "a list"})]):
-        client.input_socket.send_multipart(frames)
+        client.input_socket.send_multipart([engine_identity(0), *frames])
     out = llm.generate(["still alive?"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3 and client.proc.is_alive()
     assert_all_blocks_free(llm)

@@ -109,12 +109,27 @@ class SchedulerConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Executor and tensor parallelism."""
+    """Executor, tensor parallelism and data parallelism."""
 
     tensor_parallel_size: int = Field(1, gt=0, description="number of tensor-parallel ranks")
     executor: str = plugin_choice("executor")
     engine_core_process: bool = Field(False, description="run LLM's engine core in its own process over ZMQ "
-                                      "(AsyncLLM and the server always do)")
+                                      "(AsyncLLM and the server always do; data_parallel_size > 1 implies it)")
+    data_parallel_size: int = Field(1, gt=0, description="engine cores, each in its own process with its own "
+                                    "scheduler, KV cache and executor (tensor_parallel_size workers each); a DP "
+                                    "coordinator shares their load with the front ends, which route each request")
+    data_parallel_rank: int = Field(0, ge=0, description="this engine core's DP rank (set by the engine for each "
+                                    "core it starts; offsets its CUDA devices)")
+    data_parallel_routing: Literal["prefix_aware", "least_loaded"] = Field(
+        "prefix_aware", description="how a front end picks a DP rank: least_loaded (vLLM's: fewest waiting x 4 + "
+        "running) or prefix_aware (the rank holding the longest prefix of the prompt, unless it is overloaded)")
+    data_parallel_balance_slack: int = Field(
+        16, ge=0, description="prefix_aware: a rank counts as overloaded when its load (waiting x 4 + running) "
+        "exceeds the least loaded rank's by more than this; then the least loaded rank takes the request")
+
+    def threads_per_worker(self, cpu_count: int) -> int:
+        """CPU threads for one worker when the config leaves them unset: the cores split over DP x TP workers."""
+        return max(1, cpu_count // (self.data_parallel_size * self.tensor_parallel_size))
 
 
 class SpeculativeConfig(_Section):
@@ -193,6 +208,8 @@ class ServerConfig(_Section):
     log_requests: bool = Field(False, description="log every request's id, prompt length and parameters")
     max_request_body_bytes: Union[str, int] = Field(
         8 * 1024**2, description="largest request body accepted (accepts 8MiB, 512KiB); larger bodies get HTTP 413")
+    api_server_count: int = Field(1, gt=0, description="API-server processes sharing the port (each talks to "
+                                  "every engine core; useful when the front end, not the model, is the bottleneck)")
     shutdown_grace_period: float = Field(
         5.0, ge=0, description="seconds that requests in flight get to finish after SIGTERM; then each gets a "
         "final error (a 503 body, or an error event on a stream) and the server exits")
@@ -260,6 +277,9 @@ class VllmConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _combinations(self) -> "VllmConfig":
+        if self.parallel.data_parallel_rank >= self.parallel.data_parallel_size:
+            raise ValueError(f"parallel.data_parallel_rank ({self.parallel.data_parallel_rank}) must be below "
+                             f"parallel.data_parallel_size ({self.parallel.data_parallel_size})")
         if self.speculative.method != "none":
             if self.scheduler.async_scheduling:
                 raise ValueError(

@@ -53,6 +53,7 @@ class BlockPool:
         self.num_usable_blocks = len(self.free_queue)
         self.cached_block_hash_to_block: dict[BlockHashWithGroupId, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.num_cache_changes = 0  # grows whenever a hash is cached or evicted (the DP prefix summary is stale)
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -80,6 +81,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                self.num_cache_changes += 1
             block.block_hash = None
             self.num_evictions += 1
 
@@ -115,7 +117,8 @@ class BlockPool:
                 continue  # a prefix-cache hit (already registered) or a slid-out placeholder
             key = (block_hashes[index], group_id)
             block.block_hash = key
-            self.cached_block_hash_to_block.setdefault(key, block)
+            if self.cached_block_hash_to_block.setdefault(key, block) is block:
+                self.num_cache_changes += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -124,4 +127,5 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.num_cache_changes += 1
         return True

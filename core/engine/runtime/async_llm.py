@@ -10,7 +10,7 @@ from typing import AsyncGenerator, Optional
 from engine.config import VllmConfig
 from engine.errors import EngineDeadError, EngineGenerateError
 from engine.outputs import RequestOutput
-from engine.runtime.core_client import AsyncMPClient
+from engine.runtime.core_client import AsyncMPClient, RemoteEngines
 from engine.runtime.input_processor import PromptType, build_front_end
 from engine.sampling_params import SamplingParams
 from engine.runtime.messages import SchedulerStats
@@ -21,16 +21,18 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     """``async for output in engine.generate(prompt, params, request_id)``; cancelling aborts."""
 
-    def __init__(self, vllm_config: VllmConfig, cancel_start: Optional[threading.Event] = None):
-        """Start the engine core and wait until it is ready. Setting ``cancel_start`` (from another thread)
-        makes a start-up in progress stop the core and raise EngineDeadError."""
+    def __init__(self, vllm_config: VllmConfig, cancel_start: Optional[threading.Event] = None,
+                 remote: Optional[RemoteEngines] = None):
+        """Start the engine cores (one per DP rank) and wait until they are ready; with ``remote``, join cores
+        that another process started instead. Setting ``cancel_start`` (from another thread) makes a start-up
+        in progress stop the cores and raise EngineDeadError."""
         # AsyncLLM always runs its engine core in a process of its own: the config says so (and the log)
         self.vllm_config = vllm_config.model_copy(deep=True)
         self.vllm_config.parallel.engine_core_process = True
         vllm_config = self.vllm_config
         logger.info("engine config:\n%s", vllm_config.summary())
         # the core process loads the model while this process reads the tokenizer: start-up overlaps
-        self.engine_core = AsyncMPClient(vllm_config)
+        self.engine_core = AsyncMPClient(vllm_config, remote)
         if cancel_start is not None:
             self.engine_core.cancel_start = cancel_start
         try:
@@ -41,7 +43,6 @@ class AsyncLLM:
             raise
         self.queues: dict[str, asyncio.Queue] = {}
         self.output_handler: Optional[asyncio.Task] = None
-        self.latest_stats: Optional[SchedulerStats] = None
         self.dead_error: Optional[EngineDeadError] = None
         self._ids = itertools.count()
 
@@ -62,8 +63,6 @@ class AsyncLLM:
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
-                if core_outputs.scheduler_stats is not None:
-                    self.latest_stats = core_outputs.scheduler_stats
                 outputs, stopped = self.output_processor.process_outputs(core_outputs)
                 for output in outputs:
                     waiting = self.queues.get(output.request_id)
@@ -121,7 +120,7 @@ class AsyncLLM:
         await self.engine_core.abort_requests_async(sequence_ids)
 
     async def get_stats(self) -> SchedulerStats:
-        """Fresh counters from the core (needs the output handler running)."""
+        """Fresh counters from the cores: with data parallelism their total, each rank's in ``per_rank``."""
         self._ensure_output_handler()
         return await self.engine_core.call_utility_async("get_stats")
 

@@ -52,6 +52,17 @@ def watch_parent(parent_pid: int, name: str, cleanup: Optional[Callable[[], None
     return thread
 
 
+def set_process_name(name: str) -> None:
+    """Name this process as ``ps``, ``top`` and psutil show it (Linux: the first 15 bytes; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def exit_on_sigterm() -> None:
     """SIGTERM raises SystemExit in the main thread, so ``finally`` blocks run."""
     def handler(signum, frame):

@@ -45,6 +45,26 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_hits: int
     num_preemptions: int
     spec_decoding: Optional["SpecDecodingStats"] = None  # None: speculative decoding is off
+    num_requests_received: int = 0  # requests this core was given since start
+    dp_rank: Optional[int] = 0  # the engine core's DP rank; None in a total over ranks
+    per_rank: list["SchedulerStats"] = []  # in a total over DP ranks: each rank's own counters
+
+    @classmethod
+    def total(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":
+        """The counters of all DP ranks added up (KV usage weighted by each rank's blocks), each rank kept."""
+        blocks = sum(s.num_total_blocks for s in per_rank)
+        spec = [s.spec_decoding for s in per_rank if s.spec_decoding is not None]
+        return cls(
+            num_running_reqs=sum(s.num_running_reqs for s in per_rank),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in per_rank),
+            kv_cache_usage=sum(s.kv_cache_usage * s.num_total_blocks for s in per_rank) / blocks if blocks else 0.0,
+            num_free_blocks=sum(s.num_free_blocks for s in per_rank), num_total_blocks=blocks,
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in per_rank),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in per_rank),
+            num_preemptions=sum(s.num_preemptions for s in per_rank),
+            spec_decoding=SpecDecodingStats.total(spec) if spec else None,
+            num_requests_received=sum(s.num_requests_received for s in per_rank),
+            dp_rank=None, per_rank=list(per_rank))
 
 
 class SpecDecodingStats(msgspec.Struct):
@@ -55,6 +75,14 @@ class SpecDecodingStats(msgspec.Struct):
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = []  # index j: drafts accepted at position j
     num_steps_skipped: int = 0  # steps whose drafts dynamic speculation left out
+
+    @classmethod
+    def total(cls, stats: list["SpecDecodingStats"]) -> "SpecDecodingStats":
+        width = max(len(s.num_accepted_tokens_per_pos) for s in stats)
+        return cls(sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats),
+                   sum(s.num_accepted_tokens for s in stats),
+                   [sum(s.num_accepted_tokens_per_pos[j] for s in stats if j < len(s.num_accepted_tokens_per_pos))
+                    for j in range(width)], sum(s.num_steps_skipped for s in stats))
 
     @property
     def acceptance_rate(self) -> float:
@@ -105,6 +133,39 @@ class EngineCoreOutputs(msgspec.Struct):
     engine_error: Optional[str] = None  # set once, by a core that is going down
 
 
+class EngineLoad(msgspec.Struct):
+    """What one engine core tells the DP coordinator: its queues, KV usage and prefix-cache summary."""
+
+    dp_rank: int
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    prefix_bits: Optional[bytes] = None  # a PrefixSummary's bits; None: unchanged since the last report
+    prefix_num_bits: int = 0
+
+
+class DPState(msgspec.Struct):
+    """What the DP coordinator publishes to every front end: each rank's latest load (None: not heard yet)."""
+
+    loads: list[Optional[EngineLoad]]
+
+
+class EngineZmqAddresses(msgspec.Struct):
+    """Where the engine's processes meet. Front end i binds ``inputs[i]`` (a ROUTER: one DEALER per engine
+    core connects, named by its DP rank) and ``outputs[i]`` (a PULL every core pushes to); the DP coordinator
+    binds ``coordinator_input`` (cores push their load) and ``coordinator_output`` (front ends subscribe)."""
+
+    inputs: list[str]
+    outputs: list[str]
+    coordinator_input: Optional[str] = None
+    coordinator_output: Optional[str] = None
+
+
+def engine_identity(dp_rank: int) -> bytes:
+    """The ZMQ routing id of DP rank ``dp_rank``'s engine core on every front end's ROUTER socket."""
+    return b"engine-core-%d" % dp_rank
+
+
 class EngineCoreRequestType(enum.Enum):
     """First frame of every message to a core process."""
 
@@ -112,9 +173,9 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
+    READY = b"\x04"  # core -> front end, once, on the input socket: the core is loaded and routable
 
 
-READY_CALL_ID = -1  # the utility output a core process sends once it can take requests
 REQUEST_DECODERS = {
     EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
@@ -122,4 +183,6 @@ REQUEST_DECODERS = {
     EngineCoreRequestType.SHUTDOWN: msgspec.msgpack.Decoder(Any),
 }
 OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+LOAD_DECODER = msgspec.msgpack.Decoder(EngineLoad)
+DP_STATE_DECODER = msgspec.msgpack.Decoder(DPState)
 ENCODER = msgspec.msgpack.Encoder()

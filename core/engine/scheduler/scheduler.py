@@ -30,6 +30,7 @@ class Scheduler:
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
         self.max_model_len = max_model_len
+        self.dp_rank = vllm_config.parallel.data_parallel_rank
         self.block_size = kv_cache_config.block_size
         self.kv_cache_manager = KVCacheManager(kv_cache_config, coordinator_cls, max_model_len,
                                                vllm_config.cache.enable_prefix_caching)
@@ -38,6 +39,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_requests_received = 0
         # requests of a step that failed: run one at a time until each has sampled, to find the culprit
         self.isolated: dict[str, None] = {}
         speculative = vllm_config.speculative
@@ -55,6 +57,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_requests_received += 1
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (abort) requests from outside; their blocks return to the pool."""
@@ -297,4 +300,5 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), manager.usage, manager.num_free_blocks,
                               manager.num_total_blocks, stats.queries, stats.hits, self.num_preemptions,
                               msgspec.structs.replace(self.spec_stats, num_accepted_tokens_per_pos=list(
-                                  self.spec_stats.num_accepted_tokens_per_pos)) if self.spec_stats else None)
+                                  self.spec_stats.num_accepted_tokens_per_pos)) if self.spec_stats else None,
+                              self.num_requests_received, self.dp_rank)

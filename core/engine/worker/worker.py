@@ -32,11 +32,15 @@ class Worker:
 
     def init_device(self) -> None:
         device_name = resolve_device(self.vllm_config.device.device)
-        self.device = torch.device("cuda", self.rank) if device_name == "cuda" else torch.device("cpu")
-        world = self.vllm_config.parallel.tensor_parallel_size
+        parallel = self.vllm_config.parallel
+        world = parallel.tensor_parallel_size
+        # DP rank r's TP ranks take devices r*TP .. r*TP+TP-1
+        self.device = torch.device("cuda", parallel.data_parallel_rank * world + self.rank) \
+            if device_name == "cuda" else torch.device("cpu")
         threads = self.vllm_config.device.num_threads
-        if threads is None and device_name == "cpu" and world > 1:
-            threads = max(1, (os.cpu_count() or 1) // world)  # ranks share the cores; oversubscribed OpenMP crawls
+        if threads is None and device_name == "cpu" and world * parallel.data_parallel_size > 1:
+            # workers of every DP and TP rank share the cores; oversubscribed OpenMP crawls
+            threads = parallel.threads_per_worker(os.cpu_count() or 1)
         if threads:
             torch.set_num_threads(threads)
         if device_name == "cpu":

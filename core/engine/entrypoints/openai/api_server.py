@@ -25,9 +25,10 @@ from engine.entrypoints.openai.serving import OpenAIServing
 logger = logging.getLogger("engine.server")
 
 
-def build_app(config: VllmConfig) -> FastAPI:
-    """The app; the engine loads in the background so /health can answer 503 meanwhile."""
-    serving = OpenAIServing(config)
+def build_app(config: VllmConfig, remote=None) -> FastAPI:
+    """The app; the engine loads in the background so /health can answer 503 meanwhile. With ``remote``
+    (a ``RemoteEngines``) it joins engine cores that ``engine serve``'s launcher started."""
+    serving = OpenAIServing(config, remote)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,16 +83,32 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(config: VllmConfig) -> int:
-    """Serve until SIGINT / SIGTERM (uvicorn); the exit status: 0, or 1 when the server could not start."""
-    import uvicorn
+    """Serve until SIGINT / SIGTERM (uvicorn); the exit status: 0, or 1 when the server could not start.
 
+    With ``server.api_server_count`` > 1 this process only launches: the engine cores, the DP coordinator and
+    that many API-server processes sharing the listening socket (``entrypoints.openai.launcher``)."""
     host, port = config.server.host, config.server.port
     try:
         sock = bind_socket(host, port)
     except OSError as exc:
         print(f"engine serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    app = build_app(config)
+    try:
+        if config.server.api_server_count > 1:
+            from engine.entrypoints.openai.launcher import run_api_servers
+
+            return run_api_servers(config, sock)
+        logger.info("starting the API server on http://%s:%d (engine loading)", host, port)
+        return serve_on_socket(config, sock)
+    finally:
+        sock.close()
+
+
+def serve_on_socket(config: VllmConfig, sock: socket.socket, remote=None) -> int:
+    """Run uvicorn on a bound socket until SIGINT / SIGTERM; 1 when the engine could not start."""
+    import uvicorn
+
+    app = build_app(config, remote)
     serving: OpenAIServing = app.state.serving
     grace = config.server.shutdown_grace_period
 
@@ -102,9 +119,5 @@ def run_server(config: VllmConfig) -> int:
 
     server = EngineServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
     app.state.server = server
-    logger.info("starting the API server on http://%s:%d (engine loading)", host, port)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
+    server.run(sockets=[sock])
     return app.state.exit_code  # the failure itself was logged in one line ("engine failed to start: ...")

@@ -7,13 +7,21 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class ServerMetrics:
-    """One registry per app, so several servers in one process do not collide."""
+    """One registry per app, so several servers in one process do not collide.
 
-    def __init__(self, model_name: str):
+    Engine-core series carry a ``dp_rank`` label, one series per DP rank (``sum without (dp_rank)`` totals
+    them); request counters and latencies are this API server's own (``api_server`` in engine_api_server_info).
+    """
+
+    def __init__(self, model_name: str, api_server: int = 0):
         self.registry = CollectorRegistry()
+        Gauge("engine_api_server_info", "Which API-server process answered (--api-server-count)",
+              ["model_name", "api_server"], registry=self.registry).labels(model_name, str(api_server)).set(1)
         labels = ["model_name"]
-        gauge = lambda name, doc: Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+        rank_labels = ["model_name", "dp_rank"]  # engine-core gauges and counters: one series per DP rank
+        gauge = lambda name, doc: Gauge(name, doc, rank_labels, registry=self.registry)
         counter = lambda name, doc: Counter(name, doc, labels, registry=self.registry).labels(model_name)
+        rank_counter = lambda name, doc, extra=(): Counter(name, doc, rank_labels + list(extra), registry=self.registry)
         histogram = lambda name, doc: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS,
                                                 registry=self.registry).labels(model_name)
         self.num_requests_running = gauge("engine_num_requests_running", "Requests in the running queue")
@@ -23,46 +31,54 @@ class ServerMetrics:
         self.prefix_cache_hits = gauge("engine_prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prefix_cache_hit_rate = gauge("engine_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens)")
         self.num_preemptions = gauge("engine_num_preemptions", "Preemptions since start")
+        self.num_requests_received = gauge("engine_num_requests_received", "Requests an engine core was given")
         self.prompt_tokens = counter("engine_prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("engine_generation_tokens", "Tokens generated")
         self.requests_finished = counter("engine_request_success", "Requests finished")
         self.time_to_first_token = histogram("engine_time_to_first_token_seconds", "Time to first token")
         self.inter_token_latency = histogram("engine_inter_token_latency_seconds", "Time between tokens")
         self.e2e_latency = histogram("engine_e2e_request_latency_seconds", "End-to-end request latency")
-        # speculative decoding (vLLM's names, engine_ prefix); counters advance by the engine core's totals
-        self.spec_num_drafts = counter("engine_spec_decode_num_drafts", "Request-steps that verified drafts")
-        self.spec_num_draft_tokens = counter("engine_spec_decode_num_draft_tokens", "Draft tokens verified")
-        self.spec_num_accepted_tokens = counter("engine_spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self._spec_per_pos = Counter("engine_spec_decode_num_accepted_tokens_per_pos",
-                                     "Draft tokens accepted, by position in the draft", labels + ["position"],
-                                     registry=self.registry)
+        # speculative decoding (vLLM's names, engine_ prefix); counters advance by the engine cores' totals
+        self.spec_num_drafts = rank_counter("engine_spec_decode_num_drafts", "Request-steps that verified drafts")
+        self.spec_num_draft_tokens = rank_counter("engine_spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_num_accepted_tokens = rank_counter("engine_spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._spec_per_pos = rank_counter("engine_spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft", ["position"])
         self._model_name = model_name
-        self._spec_seen = None  # the totals already counted
+        self._spec_seen: dict[str, object] = {}  # per DP rank: the totals already counted
 
     def update_from_stats(self, stats) -> None:
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.set(stats.prefix_cache_queries)
-        self.prefix_cache_hits.set(stats.prefix_cache_hits)
-        self.prefix_cache_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries
-                                       if stats.prefix_cache_queries else 0.0)
-        self.num_preemptions.set(stats.num_preemptions)
+        """Set every engine-core series from ``get_stats()``: one per DP rank (``dp_rank`` label)."""
+        for rank_stats in (stats.per_rank or [stats]):
+            self._update_rank(str(rank_stats.dp_rank or 0), rank_stats)
+
+    def _update_rank(self, rank: str, stats) -> None:
+        labels = (self._model_name, rank)
+        self.num_requests_running.labels(*labels).set(stats.num_running_reqs)
+        self.num_requests_waiting.labels(*labels).set(stats.num_waiting_reqs)
+        self.kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
+        self.prefix_cache_queries.labels(*labels).set(stats.prefix_cache_queries)
+        self.prefix_cache_hits.labels(*labels).set(stats.prefix_cache_hits)
+        self.prefix_cache_hit_rate.labels(*labels).set(stats.prefix_cache_hits / stats.prefix_cache_queries
+                                                       if stats.prefix_cache_queries else 0.0)
+        self.num_preemptions.labels(*labels).set(stats.num_preemptions)
+        self.num_requests_received.labels(*labels).set(stats.num_requests_received)
         spec = getattr(stats, "spec_decoding", None)
         if spec is not None:
-            self._count_spec(spec)
+            self._count_spec(rank, spec)
 
-    def _count_spec(self, spec) -> None:
-        seen = self._spec_seen
-        advance = lambda counter, now, before: counter.inc(max(0, now - before))
+    def _count_spec(self, rank: str, spec) -> None:
+        seen = self._spec_seen.get(rank)
+        labels = (self._model_name, rank)
+        advance = lambda counter, now, before: counter.labels(*labels).inc(max(0, now - before))
         advance(self.spec_num_drafts, spec.num_drafts, seen.num_drafts if seen else 0)
         advance(self.spec_num_draft_tokens, spec.num_draft_tokens, seen.num_draft_tokens if seen else 0)
         advance(self.spec_num_accepted_tokens, spec.num_accepted_tokens, seen.num_accepted_tokens if seen else 0)
         before = seen.num_accepted_tokens_per_pos if seen else []
         for position, total in enumerate(spec.num_accepted_tokens_per_pos):
-            counter = self._spec_per_pos.labels(self._model_name, str(position))
+            counter = self._spec_per_pos.labels(*labels, str(position))
             counter.inc(max(0, total - (before[position] if position < len(before) else 0)))
-        self._spec_seen = spec
+        self._spec_seen[rank] = spec
 
 
 class RequestTimer:

@@ -28,12 +28,13 @@ def served_model_name(config: VllmConfig, model_path: str) -> str:
 class OpenAIServing:
     """The server's state, handed to every router through ``get_serving``."""
 
-    def __init__(self, config: VllmConfig):
+    def __init__(self, config: VllmConfig, remote=None):
         from engine.model.model_info import default_model_path
 
         self.config = config
+        self.remote = remote  # RemoteEngines: join the engine cores another process started
         self.model_name = served_model_name(config, config.model.model or default_model_path())
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, remote.client_index if remote is not None else 0)
         self.engine = None  # AsyncLLM, once loaded
         self.load_error: Optional[str] = None
         self.cancel_start = threading.Event()  # set on shutdown: a start-up in progress stops its engine core
@@ -46,7 +47,7 @@ class OpenAIServing:
     def load_engine(self):
         from engine.runtime.async_llm import AsyncLLM
 
-        self.engine = AsyncLLM(self.config, self.cancel_start)
+        self.engine = AsyncLLM(self.config, self.cancel_start, self.remote)
         return self.engine
 
     def get_engine(self):

@@ -1,0 +1,96 @@
+"""``engine serve --api-server-count K``: K API-server processes on one listening socket.
+
+This process binds the port, starts the engine cores (one per DP rank) and the DP coordinator, then K
+API-server processes that inherit the socket (the kernel spreads connections over them) and each join every
+engine core as front end ``i``. It stays as their parent: SIGTERM / SIGINT drain the API servers, then stop
+the engine; an API server that dies takes the whole server down (exit status 1); an engine core that dies
+leaves the API servers answering 503 (``/health`` included), as one API server does.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+import threading
+from multiprocessing.connection import wait
+
+from engine.config import VllmConfig
+from engine.runtime.core_client import RemoteEngines
+from engine.runtime.core_launcher import CoreEngineProcManager, make_addresses
+from engine.runtime.lifetime import describe_exit, remove_ipc_dir, set_process_name, start_process, watch_parent
+
+logger = logging.getLogger("engine.server")
+_WATCH_S = 0.5
+
+
+def run_api_server_process(config: VllmConfig, sock: socket.socket, remote: RemoteEngines, parent_pid: int,
+                           log_level: int) -> None:
+    """One API server: uvicorn on the shared socket, front end ``remote.client_index`` of the engine."""
+    import sys
+
+    from engine.entrypoints.openai.api_server import serve_on_socket
+
+    set_process_name(f"APIServer_{remote.client_index}")
+    watch_parent(parent_pid, f"API server {remote.client_index}")  # SIGTERM: uvicorn drains and exits
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s %(asctime)s api{remote.client_index} "
+                        "%(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("engine").setLevel(log_level)
+    sys.exit(serve_on_socket(config, sock, remote))
+
+
+def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
+    count = config.server.api_server_count
+    config = config.model_copy(deep=True)
+    config.parallel.engine_core_process = True
+    ipc_dir = tempfile.mkdtemp(prefix="engine-ipc-")
+    addresses = make_addresses(ipc_dir, count, config.parallel.data_parallel_size)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    engines = None
+    servers: list[multiprocessing.Process] = []
+    exit_code = 0
+    try:
+        engines = CoreEngineProcManager(config, addresses, ipc_dir)
+        spawn = multiprocessing.get_context("spawn")
+        log_level = logging.getLogger("engine").getEffectiveLevel()
+        for index in range(count):
+            remote = RemoteEngines(addresses, index, engines.pids)
+            proc = spawn.Process(target=run_api_server_process, name=f"APIServer-{index}", daemon=False,
+                                 args=(config, sock, remote, os.getpid(), log_level))
+            start_process(proc)
+            servers.append(proc)
+        logger.info("%d API servers on http://%s:%d, %d engine core(s) loading", count, config.server.host,
+                    config.server.port, config.parallel.data_parallel_size)
+        while not stop.is_set():
+            ended = wait([p.sentinel for p in servers], _WATCH_S)
+            if ended and not stop.is_set():
+                proc = next(p for p in servers if p.sentinel in ended)
+                proc.join(1)
+                code = proc.exitcode
+                if code != 0:
+                    logger.error("%s ended (%s): stopping the server", proc.name, describe_exit(proc))
+                exit_code = 0 if code == 0 else 1
+                break
+    finally:
+        _stop_api_servers(servers, config.server.shutdown_grace_period)
+        if engines is not None:
+            engines.shutdown()
+        remove_ipc_dir(ipc_dir)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return exit_code
+
+
+def _stop_api_servers(servers: list[multiprocessing.Process], grace: float) -> None:
+    """SIGTERM (each drains for ``grace`` seconds, as one server does), then SIGKILL what is left."""
+    for proc in servers:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in servers:
+        proc.join(grace + 10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

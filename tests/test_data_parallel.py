@@ -1,0 +1,302 @@
+"""Data parallelism: one engine core per DP rank, the DP coordinator, routing, failures, API-server scale-out."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from engine import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from engine.config import ConfigError, VllmConfig
+from engine.data_parallel.coordinator import DPCoordinator
+from engine.data_parallel.prefix_summary import PrefixSummary, summary_bits
+from engine.data_parallel.router import DPRouter
+from engine.kv_cache.hashing import extend_block_hashes
+from engine.runtime.messages import DPState, EngineCoreRequest, EngineLoad
+from tests.helpers import Server, hf_greedy, random_prompts
+
+PROMPTS = random_prompts(8, (5, 60), seed=41)
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+def ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def alive(procs) -> list:
+    out = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+# ---- pieces without processes ---------------------------------------------------------------------------
+def test_prefix_summary_never_misses_and_rarely_lies():
+    rng = random.Random(0)
+    held = [hashlib.sha256(rng.randbytes(8)).digest() for _ in range(2000)]
+    other = [hashlib.sha256(rng.randbytes(8)).digest() for _ in range(20000)]
+    summary = PrefixSummary.build(held, summary_bits(2000))
+    assert all(h in summary for h in held)
+    false_positive_rate = sum(h in summary for h in other) / len(other)
+    assert false_positive_rate < 0.03, false_positive_rate
+    assert summary.match_length(held[:5] + other[:1] + held[5:8]) == 5
+    assert PrefixSummary.build([], summary_bits(10)).match_length(held[:3]) == 0
+    with pytest.raises(ValueError):
+        PrefixSummary(b"\0" * 3, 24)
+
+
+def make_router(policy: str, ranks: int = 2, slack: int = 16) -> DPRouter:
+    config = VllmConfig.load(data_parallel_size=ranks, data_parallel_routing=policy, block_size=16,
+                             data_parallel_balance_slack=slack)
+    return DPRouter(config)
+
+
+def request(request_id: str, tokens: list[int]) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, tokens, GREEDY, None, 0.0)
+
+
+def hashes(tokens: list[int]) -> list[bytes]:
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, 16)
+    return out
+
+
+def test_least_loaded_takes_the_lowest_waiting_x4_plus_running():
+    router = make_router("least_loaded")
+    router.update(DPState([EngineLoad(0, 0, 3, 0.1), EngineLoad(1, 1, 0, 0.1)]))  # scores 3 and 4
+    assert router.route(request("a", list(range(40)))) == 0  # rank 0: 3 + 4 (sent since) = 7 now
+    assert router.route(request("b", list(range(40)))) == 1
+    assert [router.rank_of("a"), router.rank_of("b")] == [0, 1]
+    router.finished("a")
+    assert router.rank_of("a") is None
+    spread = make_router("least_loaded")
+    assert sorted(spread.route(request(f"r{i}", [i] * 20)) for i in range(6)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_prefix_aware_follows_the_rank_holding_the_prefix_until_it_is_overloaded():
+    shared = list(range(1000, 1160))  # ten full blocks
+    router = make_router("prefix_aware", slack=8)
+    summary = PrefixSummary.build(hashes(shared), summary_bits(64))
+    router.update(DPState([EngineLoad(0, 0, 0, 0.0), EngineLoad(1, 0, 0, 0.0, summary.bits, summary.num_bits)]))
+    chosen = [router.route(request(f"s{i}", shared + [i] * 5)) for i in range(4)]
+    assert chosen[:3] == [1, 1, 1]  # rank 1 holds the prefix; 3 waiting there = 12 > 0 + 8: overloaded
+    assert chosen[3] == 0
+    assert router.num_routed_by_prefix == 3
+    # a prompt that shares only a short head (less than half its blocks) goes to the least loaded rank
+    fresh = make_router("prefix_aware")
+    fresh.update(DPState([EngineLoad(0, 0, 2, 0.0), EngineLoad(1, 0, 0, 0.0, summary.bits, summary.num_bits)]))
+    fresh.update(DPState([EngineLoad(0, 0, 0, 0.0), EngineLoad(1, 0, 2, 0.0)]))  # summary kept, rank 1 busier
+    assert fresh.route(request("head", shared[:32] + list(range(5000, 5100)))) == 0
+
+
+def test_prefix_aware_keeps_a_burst_together_before_any_summary_arrives():
+    router = make_router("prefix_aware")
+    shared = list(range(2000, 2128))
+    first = router.route(request("first", shared + [1]))
+    assert all(router.route(request(f"b{i}", shared + [i + 2])) == first for i in range(3))
+    other = router.route(request("other", list(range(7000, 7128))))
+    assert other != first  # unrelated prompt: least loaded
+
+
+def test_coordinator_keeps_a_rank_summary_that_a_report_does_not_repeat():
+    coordinator = DPCoordinator(2)
+    assert coordinator.due(10.0)  # heartbeat: never published
+    coordinator.receive(EngineLoad(1, 2, 3, 0.5, b"\x01" * 128, 1024))
+    coordinator.receive(EngineLoad(1, 0, 1, 0.25))
+    state = coordinator.state(10.0)
+    assert state.loads[0] is None and state.loads[1].num_running == 1 and state.loads[1].prefix_bits == b"\x01" * 128
+    assert not coordinator.due(10.01)
+    coordinator.receive(EngineLoad(0, 0, 0, 0.0))
+    assert not coordinator.due(10.01) and coordinator.due(10.2)
+
+
+def test_data_parallel_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="data_parallel_routing"):
+        VllmConfig.load(data_parallel_routing="random")
+    with pytest.raises(ConfigError, match="data_parallel_rank"):
+        VllmConfig.load(data_parallel_size=2, data_parallel_rank=2)
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        VllmConfig.load(data_parallel_size=0)
+    assert VllmConfig.load(data_parallel_size=2, tensor_parallel_size=2).parallel.threads_per_worker(16) == 4
+
+
+# ---- two engine cores, offline ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dp_llm(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", data_parallel_size=2, data_parallel_routing="least_loaded")
+    yield llm
+    llm.shutdown()
+
+
+def test_dp2_gives_transformers_greedy_tokens_from_both_ranks(dp_llm, hf_tiny_llama):
+    outputs = dp_llm.generate(ids(PROMPTS), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_tiny_llama, PROMPTS, 10)
+    stats = dp_llm.get_stats()
+    assert [r.dp_rank for r in stats.per_rank] == [0, 1] and stats.dp_rank is None
+    received = [r.num_requests_received for r in stats.per_rank]
+    assert min(received) >= 2 and sum(received) == stats.num_requests_received >= len(PROMPTS), received
+    assert all(r.num_free_blocks == r.num_total_blocks for r in stats.per_rank)
+    assert stats.num_total_blocks == sum(r.num_total_blocks for r in stats.per_rank)
+
+
+def test_dp2_runs_one_named_core_process_per_rank_and_a_coordinator(dp_llm):
+    names = sorted(p.name() for p in psutil.Process().children())
+    assert [n for n in names if n != "python"] == ["DPCoordinator", "EngineCore_DP0", "EngineCore_DP1"], names
+
+
+def test_prefix_aware_routes_a_shared_prefix_to_the_rank_holding_it(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", data_parallel_size=2, data_parallel_routing="prefix_aware")
+    try:
+        shared = random_prompts(1, (160, 160), seed=5)[0]
+        llm.generate(ids([shared + [7]]), GREEDY, use_tqdm=False)
+        holder = next(r.dp_rank for r in llm.get_stats().per_rank if r.num_requests_received == 1)
+        time.sleep(0.5)  # the holder's prefix summary reaches the front end through the coordinator
+        llm.generate(ids([shared + [100 + i] * 4 for i in range(3)]), GREEDY, use_tqdm=False)
+        per_rank = llm.get_stats().per_rank
+        assert per_rank[holder].num_requests_received == 4, per_rank
+        assert per_rank[holder].prefix_cache_hits >= 3 * 144  # nine blocks of each follower came from the cache
+        assert per_rank[1 - holder].num_requests_received == 0
+        # a saturating burst with the same prefix still spreads over both ranks
+        llm.generate(ids([shared + [300 + i] * 4 for i in range(12)]), GREEDY, use_tqdm=False)
+        per_rank = llm.get_stats().per_rank
+        assert per_rank[1 - holder].num_requests_received >= 3, per_rank
+    finally:
+        llm.shutdown()
+
+
+def test_aborts_free_blocks_on_the_rank_that_holds_the_request(tiny_llama):
+    async def run():
+        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", data_parallel_size=2,
+                                          data_parallel_routing="least_loaded"))
+        procs = [psutil.Process(pid) for pid in engine.engine_core.engines.pids]
+
+        async def consume(index):
+            async for _ in engine.generate({"prompt_token_ids": PROMPTS[index]},
+                                           SamplingParams(max_tokens=400, ignore_eos=True), f"abort-{index}"):
+                pass
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+        await asyncio.sleep(1.5)
+        busy = await engine.get_stats()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        deadline = time.monotonic() + 10
+        while True:
+            stats = await engine.get_stats()
+            if stats.num_running_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks or \
+                    time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        engine.shutdown()
+        return busy, stats, procs
+
+    busy, stats, procs = asyncio.run(run())
+    assert all(r.num_running_reqs + r.num_waiting_reqs > 0 for r in busy.per_rank), busy
+    assert all(r.num_free_blocks == r.num_total_blocks and r.num_running_reqs == 0 for r in stats.per_rank), stats
+    assert wait_until(lambda: alive(procs) == [], 10), alive(procs)
+
+
+def test_killing_one_rank_fails_every_pending_request_and_leaves_no_process(tiny_llama):
+    async def run():
+        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", data_parallel_size=2))
+        procs = [psutil.Process(pid) for pid in engine.engine_core.engines.pids]
+        procs += [child for proc in procs for child in proc.children(recursive=True)]
+
+        async def consume(index):
+            async for _ in engine.generate({"prompt_token_ids": PROMPTS[index]},
+                                           SamplingParams(max_tokens=2000, ignore_eos=True), f"kill-{index}"):
+                pass
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+        await asyncio.sleep(1.5)
+        os.kill(engine.engine_core.engines.procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=15)
+        elapsed = time.monotonic() - start
+        with pytest.raises(EngineDeadError, match="DP rank 1"):
+            async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
+                pass
+        engine.shutdown()
+        return results, elapsed, procs
+
+    results, elapsed, procs = asyncio.run(run())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert elapsed < 10
+    assert wait_until(lambda: alive(procs) == [], 10), alive(procs)
+
+
+# ---- served: two engine cores behind two API servers ---------------------------------------------------
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama):
+    srv = Server("--model", tiny_llama, "--dtype", "float32", "--data-parallel-size", "2", "--api-server-count", "2",
+                 "--data-parallel-routing", "least_loaded")
+    yield srv
+    srv.stop()
+
+
+def served_metrics(srv) -> tuple[str, dict]:
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    api = next(line.split('api_server="')[1].split('"')[0] for line in text.splitlines()
+               if line.startswith("engine_api_server_info{"))
+    received = {}
+    for line in text.splitlines():
+        if line.startswith("engine_num_requests_received{"):
+            rank = line.split('dp_rank="')[1].split('"')[0]
+            received[rank] = float(line.rsplit(" ", 1)[1])
+    return api, received
+
+
+def test_served_dp2_gives_transformers_greedy_tokens_through_two_api_servers(dp_server, dp_llm, hf_tiny_llama):
+    reference = dp_llm.generate(ids(PROMPTS), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in reference] == hf_greedy(hf_tiny_llama, PROMPTS, 10)
+    texts = []
+    for prompt in PROMPTS:
+        with httpx.Client(timeout=60) as client:  # a new connection each: the API servers share the port
+            response = client.post(dp_server.url + "/v1/completions",
+                                   json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
+            assert response.status_code == 200, response.text
+            texts.append(response.json()["choices"][0]["text"])
+    assert texts == [o.outputs[0].text for o in reference]
+    answered, received = set(), {}
+    for _ in range(60):
+        api, received = served_metrics(dp_server)
+        answered.add(api)
+        if answered == {"0", "1"}:
+            break
+    assert answered == {"0", "1"}, answered  # both API-server processes answer on the one port
+    assert set(received) == {"0", "1"} and min(received.values()) >= 2, received  # both ranks served
+
+
+def test_served_dp_rank_death_answers_503_and_the_server_leaves_no_process(tiny_llama):
+    srv = Server("--model", tiny_llama, "--dtype", "float32", "--data-parallel-size", "2", "--api-server-count", "2")
+    try:
+        procs = srv.descendants()
+        names = {p.name(): p for p in psutil.Process(srv.proc.pid).children()}
+        assert {"APIServer_0", "APIServer_1", "EngineCore_DP0", "EngineCore_DP1", "DPCoordinator"} <= set(names)
+        names["EngineCore_DP1"].kill()
+        assert wait_until(lambda: httpx.get(srv.url + "/health", timeout=10).status_code == 503, 10)
+        response = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["type"] == "EngineDeadError"
+    finally:
+        srv.stop()
+    assert wait_until(lambda: alive(procs) == [], 15), alive(procs)
