@@ -222,3 +222,74 @@ def test_llama_bench_peer_reads_pp_and_tg_and_refuses_bad_paths(tmp_path):
         run_llama_bench(str(tmp_path / "missing"), str(model), 512, 128, 2)
     with pytest.raises(ValueError, match="GGUF"):
         run_llama_bench(str(fake), str(fake), 512, 128, 2)
+
+
+def test_chat_workload_resends_each_conversations_history_turn_by_turn():
+    from engine.bench.workloads import chat_workload
+
+    requests = chat_workload(num_conversations=3, num_turns=4, seed=1)
+    assert len(requests) == 12 and [r.turn for r in requests] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    by_conversation = {c: [r for r in requests if r.conversation == c] for c in range(3)}
+    for turns in by_conversation.values():
+        for earlier, later in zip(turns, turns[1:]):
+            # the next turn's prompt is this prompt, the recorded reply (output_len tokens) and a new message
+            assert later.prompt[:len(earlier.prompt)] == earlier.prompt
+            assert len(later.prompt) >= len(earlier.prompt) + earlier.output_len + 32
+    assert chat_workload(3, 4, seed=1) == requests
+
+
+def test_any_scalar_config_flag_takes_a_list_in_bench():
+    """`engine bench ... --data-parallel-size 1,2` (an int key) and --data-parallel-routing a,b (a choice) are A/B
+    lists; each value is checked when its variant's config is built."""
+    import argparse
+
+    from engine.bench.cli import _split_variants
+    from engine.config import ConfigError, VllmConfig
+    from engine.entrypoints.config_flags import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, value_lists=True)
+    base, variants = _split_variants(parser.parse_args(["--data-parallel-size", "1,2", "--data-parallel-routing",
+                                                        "least_loaded,prefix_aware", "--block-size", "32"]))
+    assert [label for label, _ in variants] == [
+        "data_parallel_size=1+data_parallel_routing=least_loaded", "data_parallel_size=1+data_parallel_routing=prefix_aware",
+        "data_parallel_size=2+data_parallel_routing=least_loaded", "data_parallel_size=2+data_parallel_routing=prefix_aware"]
+    assert base["cache"] == {"block_size": 32}
+    assert VllmConfig.load(**base, **variants[3][1]).parallel.data_parallel_size == 2
+    _, bad = _split_variants(parser.parse_args(["--data-parallel-routing", "least_loaded,nearest"]))
+    with pytest.raises(ConfigError, match="data_parallel_routing"):
+        VllmConfig.load(**bad[1][1])
+    plain = argparse.ArgumentParser()
+    add_config_flags(plain)  # elsewhere (engine serve) a list is refused by the flag itself
+    with pytest.raises(SystemExit):
+        plain.parse_args(["--data-parallel-size", "1,2"])
+
+
+def test_data_parallel_ab_on_the_chat_workload_reports_prefix_hits_per_rank(tiny_llama, tmp_path):
+    out = tmp_path / "dp.json"
+    result = engine("bench", "throughput", "--model", tiny_llama, "--dtype", "float32", "--workload", "chat",
+                    "--num-prompts", "3", "--num-turns", "3", "--data-parallel-size", "2",
+                    "--data-parallel-routing", "least_loaded,prefix_aware", "--no-bound", "--output", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    least, prefix = json.loads(out.read_text())["results"]
+    assert "least_loaded" in least["variant"] and "prefix_aware" in prefix["variant"]
+    # three conversations over two ranks: least_loaded moves some of them between turns, prefix_aware does not
+    assert all(sum(r["dp_requests_per_rank"]) == 9 and min(r["dp_requests_per_rank"]) > 0 for r in (least, prefix))
+    assert prefix["prefix_cache_hit_rate"] > least["prefix_cache_hit_rate"], (least, prefix)
+    assert "prefix hit" in result.stdout
+
+
+def test_serve_bench_launches_one_engine_per_listed_value():
+    """`engine bench serve -- --data-parallel-size 1,2` compares two launches of `engine serve`, side by side."""
+    import yaml
+
+    from engine.bench.cli import engine_launches
+
+    overrides, variants, servers = engine_launches(["--", "--dtype", "float32", "--data-parallel-size", "1,2",
+                                                    "--kv-cache-memory", "64MiB"])
+    assert [s.label for s in servers] == ["engine float32+data_parallel_size=1", "engine float32+data_parallel_size=2"]
+    configs = [yaml.safe_load(open(s.command[s.command.index("--config") + 1])) for s in servers]
+    assert [c["parallel"]["data_parallel_size"] for c in configs] == ["1", "2"]
+    assert all(c["cache"]["kv_cache_memory"] == "64MiB" and c["model"]["dtype"] == "float32" for c in configs)
+    _, _, single = engine_launches(["--", "--dtype", "float32"])
+    assert [s.label for s in single] == ["engine float32"]

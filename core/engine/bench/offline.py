@@ -27,26 +27,34 @@ def _prompts(requests: list[BenchRequest]) -> list:
 
 
 def run_throughput_once(overrides: dict[str, Any], requests: list[BenchRequest], temperature: float) -> dict:
-    """A fresh engine, one warm-up request, then every request at once; tokens per second."""
+    """A fresh engine, one warm-up request per engine core (a prompt no workload starts with), then every
+    request at once (a multi-turn workload: turn by turn); tokens per second and the prefix-cache hit rate."""
     from engine import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(**overrides)
     startup = time.perf_counter() - start
-    llm.generate([_prompts(requests[:1])[0]], SamplingParams(max_tokens=4), use_tqdm=False)
+    ranks = llm.llm_engine.vllm_config.parallel.data_parallel_size
+    llm.generate([{"prompt_token_ids": [7 + rank] * 16} for rank in range(ranks)], SamplingParams(max_tokens=4),
+                 use_tqdm=False)
+    before = llm.get_stats()
     start = time.perf_counter()
-    outputs = llm.generate(_prompts(requests), _params(requests, temperature), use_tqdm=False)
+    outputs = []
+    for turn in sorted({r.turn for r in requests}):  # multi-turn workloads: turn by turn
+        batch = [r for r in requests if r.turn == turn]
+        outputs += llm.generate(_prompts(batch), _params(batch, temperature), use_tqdm=False)
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    spec = llm.get_stats().spec_decoding
+    stats = llm.get_stats()
+    spec = stats.spec_decoding
     llm.shutdown()
     del llm
     gc.collect()
     result = {"seconds": seconds, "startup_seconds": startup, "requests_per_s": len(requests) / seconds,
               "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
               "output_tokens_per_s": output_tokens / seconds, "prompt_tokens": prompt_tokens,
-              "output_tokens": output_tokens, "peak_rss_mib": peak_rss_mib()}
+              "output_tokens": output_tokens, "peak_rss_mib": peak_rss_mib(), **_prefix_cache_fields(before, stats)}
     if spec is not None:  # counted since start: the warm-up's few tokens are in them
         per_position = spec.num_accepted_tokens_per_pos
         result.update({"spec_acceptance_rate": spec.acceptance_rate,
@@ -98,13 +106,54 @@ def transformers_peer(model_info, requests: list[BenchRequest], temperature: flo
     return lambda: _in_fresh_process(run_peer_transformers, model_info, requests, temperature, dtype)
 
 
+def _prefix_cache_fields(before, after) -> dict:
+    """The measured run's prefix-cache hit rate (tokens), and with data parallelism each rank's share of the
+    requests and its own hit rate."""
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    fields = {"prefix_cache_hit_rate": hits / queries if queries else 0.0}
+    if after.per_rank:
+        pairs = list(zip(before.per_rank, after.per_rank))
+        fields["dp_requests_per_rank"] = [a.num_requests_received - b.num_requests_received for b, a in pairs]
+        fields["dp_prefix_cache_hit_rate_per_rank"] = [
+            (a.prefix_cache_hits - b.prefix_cache_hits) / max(1, a.prefix_cache_queries - b.prefix_cache_queries)
+            for b, a in pairs]
+    return fields
+
+
 def _in_fresh_process(fn, *args):
     """Run one measurement in a spawned process: no allocator or thread state carries over between runs,
-    and the peak resident memory reported is that run's own."""
+    and the peak resident memory reported is that run's own. Not a pool worker: those are daemons, which may
+    not start the engine-core processes that data parallelism needs."""
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+    from engine.runtime.lifetime import start_process
+
+    spawn = multiprocessing.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    proc = spawn.Process(target=_run_and_send, args=(send, fn, *args), name="BenchRun")
+    start_process(proc)
+    send.close()
+    try:
+        status, value = receive.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the bench run's process ended without a result (exit code {proc.exitcode})") from None
+    proc.join()
+    if status == "error":
+        raise RuntimeError(f"the bench run failed:\n{value}")
+    return value
+
+
+def _run_and_send(conn, fn, *args) -> None:
+    import traceback
+
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
 
 
 def run_throughput_ab(base: dict[str, Any], variants: list[tuple[str, dict[str, Any]]], requests: list[BenchRequest],

@@ -11,9 +11,12 @@ import numpy as np  # noqa: E402
 def bar_plot(path: str, labels: list[str], values: list[float], ylabel: str, title: str,
              annotations: list[str] | None = None, bound: float | None = None) -> None:
     """One bar per variant; ``bound`` draws the workload's bound as a dashed line."""
-    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(labels) + 2), 4))
+    ticks = [label.replace("+", "\n") for label in labels]  # A/B crosses: one key a line
+    widest = max((len(line) for tick in ticks for line in tick.splitlines()), default=0)
+    per_bar = max(1.6, 0.09 * widest)  # inches: a tick line of ``widest`` characters fits under its bar
+    fig, ax = plt.subplots(figsize=(max(4, per_bar * len(labels) + 2), 4))
     bars = ax.bar(range(len(labels)), values, color=plt.cm.tab10(np.arange(len(labels)) % 10))
-    ax.set_xticks(range(len(labels)), [label.replace("+", "\n") for label in labels])  # A/B crosses: one key a line
+    ax.set_xticks(range(len(labels)), ticks)
     for bar, text in zip(bars, annotations or [f"{v:.1f}" for v in values]):
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     if bound:

@@ -48,24 +48,33 @@ async def _one(client, url: str, model: Optional[str], request: BenchRequest, ap
 
 async def run_serve_bench(url: str, requests: list[BenchRequest], request_rate: float, model: Optional[str],
                           api_key: Optional[str], seed: int = 0, max_concurrency: Optional[int] = None) -> dict:
-    """Send requests with exponential gaps (rate per second; inf = all at once)."""
+    """Send requests with exponential gaps (rate per second; inf = all at once). A multi-turn workload sends
+    conversations with those gaps, each conversation's turns one after the other (a turn waits for the
+    previous reply)."""
     import httpx
 
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency or len(requests))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as client:
-        async def limited(request):
-            async with limit:
-                return await _one(client, url.rstrip("/"), model, request, api_key)
+        async def limited(turns: list[BenchRequest]) -> list[dict]:
+            out = []
+            for request in turns:
+                async with limit:
+                    out.append(await _one(client, url.rstrip("/"), model, request, api_key))
+            return out
 
+        conversations: dict[int, list[BenchRequest]] = {}
+        for index, request in enumerate(requests):
+            key = request.conversation if any(r.turn for r in requests) else index
+            conversations.setdefault(key, []).append(request)
         tasks = []
         start = time.perf_counter()
-        for request in requests:
-            tasks.append(asyncio.create_task(limited(request)))
+        for turns in conversations.values():
+            tasks.append(asyncio.create_task(limited(sorted(turns, key=lambda r: r.turn))))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
-        results = await asyncio.gather(*tasks)
+        results = [result for group in await asyncio.gather(*tasks) for result in group]
         duration = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in ok)

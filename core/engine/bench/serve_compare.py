@@ -38,11 +38,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def engine_server(overrides: dict) -> ServerLaunch:
+def engine_server(overrides: dict, label: str = "engine") -> ServerLaunch:
     """`engine serve` from this interpreter with the config overrides (written as a config file: JSON is YAML)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, prefix="engine-bench-serve-") as f:
         json.dump(overrides, f)
-    return ServerLaunch("engine", [sys.executable, "-m", "engine.entrypoints.cli", "serve", "--config", f.name],
+    return ServerLaunch(label, [sys.executable, "-m", "engine.entrypoints.cli", "serve", "--config", f.name],
                         {"TQDM_DISABLE": "1"})
 
 
@@ -102,6 +102,22 @@ def served_model(url: str) -> Optional[str]:
     return data[0]["id"] if data else None
 
 
+def prefix_cache_counts(url: str) -> tuple[float, float]:
+    """(hits, queries) in tokens from an `engine serve`'s /metrics, over every DP rank; zeros for another server."""
+    import httpx
+
+    totals = {"engine_prefix_cache_hits": 0.0, "engine_prefix_cache_queries": 0.0}
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["engine_prefix_cache_hits"], totals["engine_prefix_cache_queries"]
+
+
 def compare_servers(servers: list[ServerLaunch], requests: list[BenchRequest], rates: list[float],
                     seed: int = 0) -> list[dict]:
     """Every server in turn, every rate on a fresh launch of it (a launch that served the same prompts at the
@@ -112,19 +128,25 @@ def compare_servers(servers: list[ServerLaunch], requests: list[BenchRequest], r
         for rate in rates:
             with launched(server) as url:
                 model = served_model(url)
-                warm = [BenchRequest([7] * 16, 16, 4)]  # a prompt that no workload request starts with
+                # prompts that no workload request starts with, one for each of up to four DP ranks
+                warm = [BenchRequest([7 + i] * 16, 16, 4) for i in range(4)]
                 asyncio.run(run_serve_bench(url, warm, float("inf"), model, None, seed))
+                before = prefix_cache_counts(url)
                 result = asyncio.run(run_serve_bench(url, requests, rate, model, None, seed))
-            rows.append({"server": server.label, **{k: v for k, v in result.items() if not k.endswith("_all")}})
+                after = prefix_cache_counts(url)
+            queries = after[1] - before[1]
+            rows.append({"server": server.label, **{k: v for k, v in result.items() if not k.endswith("_all")},
+                         "prefix_cache_hit_rate": (after[0] - before[0]) / queries if queries else None})
     return rows
 
 
 def print_comparison(rows: list[dict]) -> None:
     header = ["server", "req/s", "done", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
-              "out tok/s"]
+              "out tok/s", "prefix hit"]
     cells = [[r["server"], f"{r['request_rate']:g}", f"{r['completed']}/{r['num_requests']}",
               *(f"{r[m][q]:.0f}" for m in ("ttft_ms", "tpot_ms", "itl_ms") for q in ("median", "p99")),
-              f"{r['output_tokens_per_s']:.1f}"] for r in rows]
+              f"{r['output_tokens_per_s']:.1f}",
+              "-" if r.get("prefix_cache_hit_rate") is None else f"{r['prefix_cache_hit_rate']:.2f}"] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)) + "   (ms)")
     for c in cells:

@@ -15,6 +15,8 @@ class BenchRequest:
     output_len: int
     temperature: Optional[float] = None  # None: the bench's --temperature
     ignore_eos: bool = True
+    turn: int = 0  # multi-turn workloads: offline, turn t starts once every request of turn t - 1 finished;
+    conversation: int = 0  # served, each conversation sends its turns one after the other
 
 
 # W2 (shared/bench/WORKLOAD.md): sources of standard-library functions, to be repeated with one change
@@ -56,6 +58,23 @@ def w1(num_requests: int = 64, seed: int = 0) -> list[BenchRequest]:
     return requests
 
 
+def chat_workload(num_conversations: int = 16, num_turns: int = 6, seed: int = 0,
+                  vocab: tuple[int, int] = (100, 40000)) -> list[BenchRequest]:
+    """Multi-turn chat replayed: each conversation's turn t resends its history (every earlier user message and
+    recorded reply) plus a new user message of 32-96 tokens, and asks for a reply of 32-64 tokens. Turns run
+    in order, so a turn's history can come from the prefix cache of the rank that served the previous turn."""
+    rng = random.Random(seed)
+    requests = []
+    histories = [[] for _ in range(num_conversations)]
+    for turn in range(num_turns):
+        for conversation, history in enumerate(histories):
+            history.extend(rng.randint(*vocab) for _ in range(rng.randint(32, 96)))
+            reply_len = rng.randint(32, 64)
+            requests.append(BenchRequest(list(history), len(history), reply_len, turn=turn, conversation=conversation))
+            history.extend(rng.randint(*vocab) for _ in range(reply_len))  # the recorded reply
+    return requests
+
+
 def random_workload(num_requests: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                     seed: int = 0, vocab: tuple[int, int] = (100, 40000)) -> list[BenchRequest]:
     """Random token ids; lengths drawn uniformly within ±range_ratio of the given ones."""
@@ -85,6 +104,8 @@ def jsonl_workload(path: str, tokenizer, default_output_len: int, limit: Optiona
 def make_workload(name: str, args, tokenizer=None) -> list[BenchRequest]:
     if name == "w1":
         return w1(args.num_prompts or 64)
+    if name == "chat":
+        return chat_workload(args.num_prompts or 16, getattr(args, "num_turns", 6), args.workload_seed)
     if name == "random":
         return random_workload(args.num_prompts or 64, args.input_len, args.output_len, args.range_ratio, args.workload_seed)
     if tokenizer is None:

@@ -24,8 +24,19 @@ def _flag_type(annotation) -> Any:
     return str
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` plus one flag per config key (``--block-size``...) and the short aliases."""
+def _value_list(kind):
+    """A flag type that also takes a comma-separated list (kept as text: one A/B variant per value)."""
+    def convert(text: str):
+        return text if "," in text else kind(text)
+
+    convert.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its errors
+    return convert
+
+
+def add_config_flags(parser: argparse.ArgumentParser, value_lists: bool = False) -> None:
+    """``--config FILE`` plus one flag per config key (``--block-size``...) and the short aliases.
+
+    With ``value_lists`` (``engine bench``) a scalar key also takes ``V1,V2``: the bench runs each value."""
     parser.add_argument("--config", dest="config_file", help="YAML file with the engine config (nested sections)")
     seen = set()
     for section, section_cls in SECTIONS.items():
@@ -46,6 +57,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 common.pop("metavar")
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
+            elif value_lists and kind in (int, float, str):
+                if choices:  # checked per value when each variant's config is built
+                    common["help"] += f"; one of {', '.join(map(str, choices))}"
+                group.add_argument(*flags, type=_value_list(kind), **common)
             else:
                 group.add_argument(*flags, type=kind, choices=choices, **common)
     for alias, section in SECTION_ALIASES.items():

@@ -80,12 +80,11 @@ class CoreEngineProcManager:
 
     def shutdown(self) -> None:
         """Stop every process still running (SIGTERM, then SIGKILL), and remove the IPC folder."""
-        for proc in [*self.procs, self.coordinator]:
-            if proc is not None and proc.is_alive():
+        started = [p for p in [*self.procs, self.coordinator] if p is not None and p.pid is not None]
+        for proc in started:
+            if proc.is_alive():
                 proc.terminate()
-        for proc in [*self.procs, self.coordinator]:
-            if proc is None:
-                continue
+        for proc in started:
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
