@@ -265,20 +265,6 @@ def test_any_scalar_config_flag_takes_a_list_in_bench():
         plain.parse_args(["--data-parallel-size", "1,2"])
 
 
-def test_data_parallel_ab_on_the_chat_workload_reports_prefix_hits_per_rank(tiny_llama, tmp_path):
-    out = tmp_path / "dp.json"
-    result = engine("bench", "throughput", "--model", tiny_llama, "--dtype", "float32", "--workload", "chat",
-                    "--num-prompts", "3", "--num-turns", "3", "--data-parallel-size", "2",
-                    "--data-parallel-routing", "least_loaded,prefix_aware", "--no-bound", "--output", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    least, prefix = json.loads(out.read_text())["results"]
-    assert "least_loaded" in least["variant"] and "prefix_aware" in prefix["variant"]
-    # three conversations over two ranks: least_loaded moves some of them between turns, prefix_aware does not
-    assert all(sum(r["dp_requests_per_rank"]) == 9 and min(r["dp_requests_per_rank"]) > 0 for r in (least, prefix))
-    assert prefix["prefix_cache_hit_rate"] > least["prefix_cache_hit_rate"], (least, prefix)
-    assert "prefix hit" in result.stdout
-
-
 def test_serve_bench_launches_one_engine_per_listed_value():
     """`engine bench serve -- --data-parallel-size 1,2` compares two launches of `engine serve`, side by side."""
     import yaml

@@ -142,18 +142,22 @@ def test_data_parallel_config_errors_name_the_key():
 # ---- two engine cores, offline ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dp_llm(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", data_parallel_size=2, data_parallel_routing="least_loaded")
+    """Two engine cores behind LLM, prefix_aware routing (the default): prompts without shared prefixes spread
+    as least_loaded would."""
+    llm = LLM(tiny_llama, dtype="float32", data_parallel_size=2)
     yield llm
     llm.shutdown()
 
 
 def test_dp2_gives_transformers_greedy_tokens_from_both_ranks(dp_llm, hf_tiny_llama):
+    before = [r.num_requests_received for r in dp_llm.get_stats().per_rank]
     outputs = dp_llm.generate(ids(PROMPTS), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_tiny_llama, PROMPTS, 10)
     stats = dp_llm.get_stats()
     assert [r.dp_rank for r in stats.per_rank] == [0, 1] and stats.dp_rank is None
-    received = [r.num_requests_received for r in stats.per_rank]
-    assert min(received) >= 2 and sum(received) == stats.num_requests_received >= len(PROMPTS), received
+    received = [r.num_requests_received - b for r, b in zip(stats.per_rank, before)]
+    assert min(received) >= 2 and sum(received) == len(PROMPTS), received
+    assert sum(r.num_requests_received for r in stats.per_rank) == stats.num_requests_received
     assert all(r.num_free_blocks == r.num_total_blocks for r in stats.per_rank)
     assert stats.num_total_blocks == sum(r.num_total_blocks for r in stats.per_rank)
 
@@ -163,38 +167,39 @@ def test_dp2_runs_one_named_core_process_per_rank_and_a_coordinator(dp_llm):
     assert [n for n in names if n != "python"] == ["DPCoordinator", "EngineCore_DP0", "EngineCore_DP1"], names
 
 
-def test_prefix_aware_routes_a_shared_prefix_to_the_rank_holding_it(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", data_parallel_size=2, data_parallel_routing="prefix_aware")
-    try:
-        shared = random_prompts(1, (160, 160), seed=5)[0]
-        llm.generate(ids([shared + [7]]), GREEDY, use_tqdm=False)
-        holder = next(r.dp_rank for r in llm.get_stats().per_rank if r.num_requests_received == 1)
-        time.sleep(0.5)  # the holder's prefix summary reaches the front end through the coordinator
-        llm.generate(ids([shared + [100 + i] * 4 for i in range(3)]), GREEDY, use_tqdm=False)
-        per_rank = llm.get_stats().per_rank
-        assert per_rank[holder].num_requests_received == 4, per_rank
-        assert per_rank[holder].prefix_cache_hits >= 3 * 144  # nine blocks of each follower came from the cache
-        assert per_rank[1 - holder].num_requests_received == 0
-        # a saturating burst with the same prefix still spreads over both ranks
-        llm.generate(ids([shared + [300 + i] * 4 for i in range(12)]), GREEDY, use_tqdm=False)
-        per_rank = llm.get_stats().per_rank
-        assert per_rank[1 - holder].num_requests_received >= 3, per_rank
-    finally:
-        llm.shutdown()
+def test_prefix_aware_routes_a_shared_prefix_to_the_rank_holding_it(dp_llm):
+    def received():
+        return [(r.num_requests_received, r.prefix_cache_hits) for r in dp_llm.get_stats().per_rank]
+
+    shared = random_prompts(1, (160, 160), seed=5)[0]
+    start = received()
+    dp_llm.generate(ids([shared + [7]]), GREEDY, use_tqdm=False)
+    holder = next(rank for rank, (now, then) in enumerate(zip(received(), start)) if now[0] == then[0] + 1)
+    time.sleep(0.5)  # the holder's prefix summary reaches the front end through the coordinator
+    dp_llm.generate(ids([shared + [100 + i] * 4 for i in range(3)]), GREEDY, use_tqdm=False)
+    after = received()
+    assert after[holder][0] - start[holder][0] == 4, (start, after)
+    assert after[holder][1] - start[holder][1] >= 3 * 144  # nine blocks of each follower came from the cache
+    assert after[1 - holder][0] == start[1 - holder][0]
+    # a saturating burst with the same prefix still spreads over both ranks
+    dp_llm.generate(ids([shared + [300 + i] * 4 for i in range(12)]), GREEDY, use_tqdm=False)
+    assert received()[1 - holder][0] - start[1 - holder][0] >= 3, received()
 
 
-def test_aborts_free_blocks_on_the_rank_that_holds_the_request(tiny_llama):
+def test_aborts_free_blocks_on_their_rank_and_a_killed_rank_fails_every_request(tiny_llama):
+    """AsyncLLM over two cores: cancelled requests free their blocks on both ranks; then killing rank 1's core
+    fails every pending request with EngineDeadError within 10 s and leaves no process."""
     async def run():
         engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", data_parallel_size=2,
                                           data_parallel_routing="least_loaded"))
         procs = [psutil.Process(pid) for pid in engine.engine_core.engines.pids]
 
-        async def consume(index):
+        async def consume(index, prefix):
             async for _ in engine.generate({"prompt_token_ids": PROMPTS[index]},
-                                           SamplingParams(max_tokens=400, ignore_eos=True), f"abort-{index}"):
+                                           SamplingParams(max_tokens=2000, ignore_eos=True), f"{prefix}-{index}"):
                 pass
 
-        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+        tasks = [asyncio.create_task(consume(i, "abort")) for i in range(4)]
         await asyncio.sleep(1.5)
         busy = await engine.get_stats()
         for task in tasks:
@@ -202,33 +207,14 @@ def test_aborts_free_blocks_on_the_rank_that_holds_the_request(tiny_llama):
         await asyncio.gather(*tasks, return_exceptions=True)
         deadline = time.monotonic() + 10
         while True:
-            stats = await engine.get_stats()
-            if stats.num_running_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks or \
+            drained = await engine.get_stats()
+            if drained.num_running_reqs == 0 and drained.num_free_blocks == drained.num_total_blocks or \
                     time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-        engine.shutdown()
-        return busy, stats, procs
 
-    busy, stats, procs = asyncio.run(run())
-    assert all(r.num_running_reqs + r.num_waiting_reqs > 0 for r in busy.per_rank), busy
-    assert all(r.num_free_blocks == r.num_total_blocks and r.num_running_reqs == 0 for r in stats.per_rank), stats
-    assert wait_until(lambda: alive(procs) == [], 10), alive(procs)
-
-
-def test_killing_one_rank_fails_every_pending_request_and_leaves_no_process(tiny_llama):
-    async def run():
-        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", data_parallel_size=2))
-        procs = [psutil.Process(pid) for pid in engine.engine_core.engines.pids]
-        procs += [child for proc in procs for child in proc.children(recursive=True)]
-
-        async def consume(index):
-            async for _ in engine.generate({"prompt_token_ids": PROMPTS[index]},
-                                           SamplingParams(max_tokens=2000, ignore_eos=True), f"kill-{index}"):
-                pass
-
-        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
-        await asyncio.sleep(1.5)
+        tasks = [asyncio.create_task(consume(i, "kill")) for i in range(4)]
+        await asyncio.sleep(1.0)
         os.kill(engine.engine_core.engines.procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=15)
@@ -237,23 +223,17 @@ def test_killing_one_rank_fails_every_pending_request_and_leaves_no_process(tiny
             async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
                 pass
         engine.shutdown()
-        return results, elapsed, procs
+        return busy, drained, results, elapsed, procs
 
-    results, elapsed, procs = asyncio.run(run())
+    busy, drained, results, elapsed, procs = asyncio.run(run())
+    assert all(r.num_running_reqs + r.num_waiting_reqs > 0 for r in busy.per_rank), busy
+    assert all(r.num_free_blocks == r.num_total_blocks and r.num_running_reqs == 0 for r in drained.per_rank), drained
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert elapsed < 10
     assert wait_until(lambda: alive(procs) == [], 10), alive(procs)
 
 
 # ---- served: two engine cores behind two API servers ---------------------------------------------------
-@pytest.fixture(scope="module")
-def dp_server(tiny_llama):
-    srv = Server("--model", tiny_llama, "--dtype", "float32", "--data-parallel-size", "2", "--api-server-count", "2",
-                 "--data-parallel-routing", "least_loaded")
-    yield srv
-    srv.stop()
-
-
 def served_metrics(srv) -> tuple[str, dict]:
     text = httpx.get(srv.url + "/metrics", timeout=30).text
     api = next(line.split('api_server="')[1].split('"')[0] for line in text.splitlines()
@@ -266,33 +246,36 @@ def served_metrics(srv) -> tuple[str, dict]:
     return api, received
 
 
-def test_served_dp2_gives_transformers_greedy_tokens_through_two_api_servers(dp_server, dp_llm, hf_tiny_llama):
+def test_served_dp2_behind_two_api_servers_then_a_rank_dies(tiny_llama, dp_llm, hf_tiny_llama):
+    """`engine serve --data-parallel-size 2 --api-server-count 2`: transformers' greedy tokens (as the offline DP
+    run, checked against transformers), both API processes answer on the one port, both ranks serve; then one
+    rank's core is killed: /health 503 within 10 s, requests get a 503 EngineDeadError body, and no process
+    outlives the server."""
     reference = dp_llm.generate(ids(PROMPTS), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in reference] == hf_greedy(hf_tiny_llama, PROMPTS, 10)
-    texts = []
-    for prompt in PROMPTS:
-        with httpx.Client(timeout=60) as client:  # a new connection each: the API servers share the port
-            response = client.post(dp_server.url + "/v1/completions",
-                                   json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
-            assert response.status_code == 200, response.text
-            texts.append(response.json()["choices"][0]["text"])
-    assert texts == [o.outputs[0].text for o in reference]
-    answered, received = set(), {}
-    for _ in range(60):
-        api, received = served_metrics(dp_server)
-        answered.add(api)
-        if answered == {"0", "1"}:
-            break
-    assert answered == {"0", "1"}, answered  # both API-server processes answer on the one port
-    assert set(received) == {"0", "1"} and min(received.values()) >= 2, received  # both ranks served
-
-
-def test_served_dp_rank_death_answers_503_and_the_server_leaves_no_process(tiny_llama):
-    srv = Server("--model", tiny_llama, "--dtype", "float32", "--data-parallel-size", "2", "--api-server-count", "2")
+    srv = Server("--model", tiny_llama, "--dtype", "float32", "--data-parallel-size", "2", "--api-server-count", "2",
+                 "--data-parallel-routing", "least_loaded")
     try:
         procs = srv.descendants()
         names = {p.name(): p for p in psutil.Process(srv.proc.pid).children()}
         assert {"APIServer_0", "APIServer_1", "EngineCore_DP0", "EngineCore_DP1", "DPCoordinator"} <= set(names)
+        texts = []
+        for prompt in PROMPTS:
+            with httpx.Client(timeout=60) as client:  # a new connection each: the API servers share the port
+                response = client.post(srv.url + "/v1/completions",
+                                       json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
+                assert response.status_code == 200, response.text
+                texts.append(response.json()["choices"][0]["text"])
+        assert texts == [o.outputs[0].text for o in reference]
+        answered, received = set(), {}
+        for _ in range(60):
+            api, received = served_metrics(srv)
+            answered.add(api)
+            if answered == {"0", "1"}:
+                break
+        assert answered == {"0", "1"}, answered  # both API-server processes answer on the one port
+        assert set(received) == {"0", "1"} and min(received.values()) >= 2, received  # both ranks served
+
         names["EngineCore_DP1"].kill()
         assert wait_until(lambda: httpx.get(srv.url + "/health", timeout=10).status_code == 503, 10)
         response = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)

@@ -316,7 +316,9 @@ def test_serve_with_speculative_config_reports_vllm_named_counters(make_tiny_mod
               if line.startswith("engine_spec_decode") and "_created" not in line}
     assert values["engine_spec_decode_num_draft_tokens_total"] > 0, metrics
     assert 0 < values["engine_spec_decode_num_accepted_tokens_total"] <= values["engine_spec_decode_num_draft_tokens_total"]
-    assert 'engine_spec_decode_num_accepted_tokens_per_pos_total{model_name=' in metrics and 'position="0"' in metrics
+    per_position = [line for line in metrics.splitlines()
+                    if line.startswith("engine_spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert any('position="0"' in line and 'dp_rank="0"' in line for line in per_position), metrics
 
 
 # ---- the draft_model proposer --------------------------------------------------------------------------------------

@@ -115,6 +115,9 @@ class ParallelConfig(_Section):
     executor: str = plugin_choice("executor")
     engine_core_process: bool = Field(False, description="run LLM's engine core in its own process over ZMQ "
                                       "(AsyncLLM and the server always do; data_parallel_size > 1 implies it)")
+    ray_address: Optional[str] = Field(None, description="ray executor: the Ray cluster to join (HOST:PORT, or "
+                                       "'auto' for the one this machine joined); unset starts a local Ray instance "
+                                       "(unless RAY_ADDRESS is set)")
     data_parallel_size: int = Field(1, gt=0, description="engine cores, each in its own process with its own "
                                     "scheduler, KV cache and executor (tensor_parallel_size workers each); a DP "
                                     "coordinator shares their load with the front ends, which route each request")

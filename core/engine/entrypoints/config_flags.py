@@ -9,6 +9,9 @@ from typing import Any
 from engine.config import FLAT_ALIASES, SECTION_ALIASES, SECTIONS, VllmConfig, _json_section
 
 
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short spellings
+
+
 def _flag_type(annotation) -> Any:
     """The argparse type of a config field: int, float, bool, JSON dict, or str."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -47,6 +50,8 @@ def add_config_flags(parser: argparse.ArgumentParser, value_lists: bool = False)
             # (--backend, --name); each flag once
             names = aliases if aliases else ([name] if name not in seen else [])
             flags = list(dict.fromkeys(f"--{n.replace('_', '-')}" for n in names))
+            if flags and name in SHORT_FLAGS:
+                flags.append(SHORT_FLAGS[name])
             seen.add(name)
             if not flags:
                 continue

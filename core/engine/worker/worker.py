@@ -23,10 +23,13 @@ class Worker:
     """Created by an Executor in whatever process holds the rank; resolves plugins by name itself."""
 
     def __init__(self, vllm_config: VllmConfig, plugin_choices: dict[str, str], rank: int = 0,
-                 distributed_init_method: Optional[str] = None):
+                 distributed_init_method: Optional[str] = None, device_index: Optional[int] = None):
+        """``device_index``: the CUDA device to use when the executor knows it (a Ray actor sees only its own
+        GPU, device 0); by default DP rank x TP + rank."""
         self.vllm_config = vllm_config
         self.plugin_choices = plugin_choices
         self.rank = rank
+        self.device_index = device_index
         self.distributed_init_method = distributed_init_method
         self.model_runner: Optional[ModelRunner] = None
 
@@ -35,8 +38,8 @@ class Worker:
         parallel = self.vllm_config.parallel
         world = parallel.tensor_parallel_size
         # DP rank r's TP ranks take devices r*TP .. r*TP+TP-1
-        self.device = torch.device("cuda", parallel.data_parallel_rank * world + self.rank) \
-            if device_name == "cuda" else torch.device("cpu")
+        index = self.device_index if self.device_index is not None else parallel.data_parallel_rank * world + self.rank
+        self.device = torch.device("cuda", index) if device_name == "cuda" else torch.device("cpu")
         threads = self.vllm_config.device.num_threads
         if threads is None and device_name == "cpu" and world * parallel.data_parallel_size > 1:
             # workers of every DP and TP rank share the cores; oversubscribed OpenMP crawls

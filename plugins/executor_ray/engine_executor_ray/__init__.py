@@ -1,0 +1,1 @@
+"""engine's Ray executor: one Ray actor per tensor-parallel rank, placed by a placement group."""
