@@ -283,3 +283,42 @@ def test_served_dp2_behind_two_api_servers_then_a_rank_dies(tiny_llama, dp_llm, 
     finally:
         srv.stop()
     assert wait_until(lambda: alive(procs) == [], 15), alive(procs)
+
+
+def test_a_front_end_reusing_another_ones_request_id_cannot_take_its_outputs(tiny_llama, tmp_path):
+    """Two front ends on one engine core (as two API servers): the second sending a running request's id gets an
+    error for it alone; the first still receives every token of its request and the finish."""
+    from engine.runtime.core_client import RemoteEngines, SyncMPClient
+    from engine.runtime.core_launcher import CoreEngineProcManager, make_addresses
+    from engine.runtime.messages import EngineCoreRequest
+
+    config = VllmConfig.load(model=tiny_llama, dtype="float32")
+    ipc_dir = str(tmp_path / "engine-ipc-test")
+    os.makedirs(ipc_dir)
+    addresses = make_addresses(ipc_dir, 2, 1)
+    manager = CoreEngineProcManager(config, addresses, ipc_dir)
+    first = SyncMPClient(config, RemoteEngines(addresses, 0, manager.pids))
+    second = SyncMPClient(config, RemoteEngines(addresses, 1, manager.pids))
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+        def next_outputs(client):  # a misrouted output would leave this client waiting: fail instead of hanging
+            return client.outputs.get(timeout=30).outputs
+
+        # the running request belongs to front end 1 (not the default 0); once it produced a token, front end 0
+        # sends the same id (the two sockets are not ordered with each other, so wait for that token first)
+        second.add_request(EngineCoreRequest("shared-id", PROMPTS[0], params, None, 0.0))
+        outputs = next_outputs(second)
+        tokens, finish = sum(len(o.new_token_ids) for o in outputs), outputs[-1].finish_reason
+        first.add_request(EngineCoreRequest("shared-id", PROMPTS[1], params, None, 0.0))
+        refused = next_outputs(first)[0]
+        assert refused.finish_reason == "error" and "already running" in refused.error
+        while finish is None:
+            for output in next_outputs(second):
+                tokens += len(output.new_token_ids)
+                finish = output.finish_reason
+        assert (tokens, finish) == (40, "length")
+    finally:
+        first.shutdown()
+        second.shutdown()
+        manager.shutdown()

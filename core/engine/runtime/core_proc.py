@@ -91,6 +91,11 @@ class EngineCoreProc(EngineCore):
             self._refuse_message(frames, exc, client)
             return
         if kind is EngineCoreRequestType.ADD:
+            if payload.request_id in self.request_clients:  # refused to its sender; the running one keeps its own
+                self._send(EngineCoreOutputs([EngineCoreOutput(
+                    payload.request_id, [], "error", error=f"ValueError: request id {payload.request_id!r} is "
+                    "already running")]), client)
+                return
             self.request_clients[payload.request_id] = client
             self.add_request(payload)
         elif kind is EngineCoreRequestType.ABORT:
