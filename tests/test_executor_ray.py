@@ -1,4 +1,5 @@
-"""The Ray executor plugin (plugins/executor_ray) on a local Ray cluster of two simulated one-CPU nodes."""
+"""The Ray executor plugin (plugins/executor_ray) and Ray-placed data-parallel engine cores, on a local Ray
+cluster of two simulated one-CPU nodes: TP=2 and PP=2 over the ray executor, DP=2 over the ray DP backend."""
 from __future__ import annotations
 
 import time
@@ -28,16 +29,39 @@ def two_node_cluster():
     cluster.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_llm(tiny_llama, two_node_cluster):
-    llm = LLM(tiny_llama, dtype="float32", executor="ray", tensor_parallel_size=2,
-              ray_address=two_node_cluster.address)
+RAY_LAYOUTS = {
+    "tp2": dict(executor="ray", tensor_parallel_size=2),
+    "pp2": dict(executor="ray", pipeline_parallel_size=2),
+    "dp2": dict(data_parallel_size=2, data_parallel_backend="ray"),  # each core's own (uniproc) executor
+}
+
+
+@pytest.fixture(scope="module", params=list(RAY_LAYOUTS))
+def ray_llm(request, tiny_llama, two_node_cluster):
+    """Two ranks over the two nodes, one layout after the other (each shut down frees the CPUs)."""
+    llm = LLM(tiny_llama, dtype="float32", ray_address=two_node_cluster.address, **RAY_LAYOUTS[request.param])
     yield llm
     llm.shutdown()
 
 
 def executor_of(llm):
     return llm.llm_engine.engine_core.engine_core.executor
+
+
+def is_data_parallel(llm) -> bool:
+    return llm.llm_engine.vllm_config.parallel.data_parallel_size > 1
+
+
+def rank_node_ids(llm) -> list[str]:
+    """The node of each Ray actor: the executor's workers, or the DP backend's engine cores."""
+    return llm.llm_engine.engine_core.engines.node_ids if is_data_parallel(llm) else executor_of(llm).worker_node_ids
+
+
+def check_health(llm) -> None:
+    if is_data_parallel(llm):
+        assert llm.llm_engine.engine_core.call_utility("check_health")
+    else:
+        executor_of(llm).check_health()
 
 
 def test_the_ray_executor_says_why_it_cannot_run_without_ray(monkeypatch):
@@ -54,25 +78,35 @@ def test_the_ray_executor_says_why_it_cannot_run_without_ray(monkeypatch):
     assert row["source"] == "engine-executor-ray 0.1.0"
 
 
-def test_tp2_over_ray_places_one_rank_per_node_and_gives_transformers_greedy_tokens(ray_llm, hf_tiny_llama):
-    executor = executor_of(ray_llm)
-    assert type(executor).__name__ == "RayExecutor"
-    assert len(set(executor.worker_node_ids)) == 2  # two one-CPU nodes: one rank on each
+def test_the_ray_dp_backend_runs_one_api_server():
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="parallel.data_parallel_backend=ray runs one API server"):
+        VllmConfig.load(data_parallel_size=2, data_parallel_backend="ray", api_server_count=2)
+
+
+def test_two_ranks_over_ray_are_placed_one_per_node_and_give_transformers_greedy_tokens(ray_llm, hf_tiny_llama):
+    if not is_data_parallel(ray_llm):
+        assert type(executor_of(ray_llm)).__name__ == "RayExecutor"
+    assert len(set(rank_node_ids(ray_llm))) == 2  # two one-CPU nodes: one rank (TP rank, stage, DP rank) on each
     outputs = ray_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8),
                                use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_tiny_llama, PROMPTS, 8)
-    executor.check_health()
+    check_health(ray_llm)
+    if is_data_parallel(ray_llm):  # both engine cores served requests
+        assert [rank.num_requests_received > 0 for rank in ray_llm.get_stats().per_rank] == [True, True]
 
 
 def test_killing_a_worker_actor_fails_pending_requests_with_engine_dead(ray_llm):
     engine = ray_llm.llm_engine
     engine.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=400, ignore_eos=True))
     engine.step()
-    ray.kill(executor_of(ray_llm).workers[1])
+    actors = engine.engine_core.engines.actors if is_data_parallel(ray_llm) else executor_of(ray_llm).workers
+    ray.kill(actors[1])
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="rank 1"):
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - start < 10
     with pytest.raises(EngineDeadError):
-        executor_of(ray_llm).check_health()
+        check_health(ray_llm)

@@ -109,9 +109,12 @@ class SchedulerConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Executor, tensor parallelism and data parallelism."""
+    """Executor, tensor, pipeline and data parallelism."""
 
     tensor_parallel_size: int = Field(1, gt=0, description="number of tensor-parallel ranks")
+    pipeline_parallel_size: int = Field(1, gt=0, description="pipeline stages: each holds a contiguous slice of "
+                                        "the layers (and its KV cache) on its own tensor_parallel_size workers; the "
+                                        "engine core keeps this many steps in flight so the stages overlap")
     executor: str = plugin_choice("executor")
     engine_core_process: bool = Field(False, description="run LLM's engine core in its own process over ZMQ "
                                       "(AsyncLLM and the server always do; data_parallel_size > 1 implies it)")
@@ -121,6 +124,9 @@ class ParallelConfig(_Section):
     data_parallel_size: int = Field(1, gt=0, description="engine cores, each in its own process with its own "
                                     "scheduler, KV cache and executor (tensor_parallel_size workers each); a DP "
                                     "coordinator shares their load with the front ends, which route each request")
+    data_parallel_backend: Literal["mp", "ray"] = Field(
+        "mp", description="where the DP engine cores run: mp (processes of this machine) or ray (Ray actors placed "
+        "on the cluster of parallel.ray_address, one bundle of TP x PP x device.num_threads CPUs per rank)")
     data_parallel_rank: int = Field(0, ge=0, description="this engine core's DP rank (set by the engine for each "
                                     "core it starts; offsets its CUDA devices)")
     data_parallel_routing: Literal["prefix_aware", "least_loaded"] = Field(
@@ -130,9 +136,14 @@ class ParallelConfig(_Section):
         16, ge=0, description="prefix_aware: a rank counts as overloaded when its load (waiting x 4 + running) "
         "exceeds the least loaded rank's by more than this; then the least loaded rank takes the request")
 
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine core: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def threads_per_worker(self, cpu_count: int) -> int:
-        """CPU threads for one worker when the config leaves them unset: the cores split over DP x TP workers."""
-        return max(1, cpu_count // (self.data_parallel_size * self.tensor_parallel_size))
+        """CPU threads for one worker when the config leaves them unset: the cores split over DP x TP x PP workers."""
+        return max(1, cpu_count // (self.data_parallel_size * self.world_size))
 
 
 class SpeculativeConfig(_Section):
@@ -290,6 +301,21 @@ class VllmConfig(BaseSettings):
                     "follow the previous step's sampled token, which async scheduling plans without knowing; "
                     "set speculative.method=none or scheduler.async_scheduling=false")
             self.speculative.lookup_range()
+        if self.parallel.data_parallel_backend == "ray" and self.server.api_server_count > 1:
+            raise ValueError("parallel.data_parallel_backend=ray runs one API server: set server.api_server_count=1 "
+                             "(or parallel.data_parallel_backend=mp)")
+        if self.parallel.pipeline_parallel_size > 1:
+            pp = self.parallel.pipeline_parallel_size
+            if self.scheduler.async_scheduling:
+                raise ValueError(
+                    f"parallel.pipeline_parallel_size={pp} and scheduler.async_scheduling cannot be combined: the "
+                    "first stage needs each step's sampled token, which only the last stage has; pipeline "
+                    "parallelism keeps its own steps in flight (one per stage)")
+            if self.speculative.method != "none":
+                raise ValueError(
+                    f"parallel.pipeline_parallel_size={pp} and speculative.method={self.speculative.method!r} cannot "
+                    "be combined yet: drafts are proposed where tokens are sampled (the last stage) but enter the "
+                    "first; set speculative.method=none or parallel.pipeline_parallel_size=1")
         return self
 
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any
 from engine.config import FLAT_ALIASES, SECTION_ALIASES, SECTIONS, VllmConfig, _json_section
 
 
-SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short spellings
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}  # vLLM's short spellings
 
 
 def _flag_type(annotation) -> Any:

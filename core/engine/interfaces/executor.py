@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, Optional
+from concurrent.futures import Future
+from typing import Any, Optional, Union
 
 from engine.interfaces.base import Pluggable
 
@@ -24,16 +25,59 @@ class Executor(Pluggable):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
         """Call ``method`` on every worker; return the results, rank order."""
 
+    def collective_rpc_async(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> Future:
+        """``collective_rpc`` without waiting: a Future of the results. Executors whose workers run in other
+        processes override it so that several steps can be in flight (pipeline parallelism); calls complete
+        in the order they were made."""
+        future: Future = Future()
+        try:
+            future.set_result(self.collective_rpc(method, args, kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step output is the engine's: the first TP rank of the last pipeline stage."""
+        parallel = self.vllm_config.parallel
+        return parallel.world_size - parallel.tensor_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may keep in flight: one per pipeline stage."""
+        return self.vllm_config.parallel.pipeline_parallel_size
+
     def get_kv_cache_spec(self) -> dict:
-        """Per-layer KV-cache specs, from rank 0."""
-        return self.collective_rpc("get_kv_cache_spec")[0]
+        """Per-layer KV-cache specs of every layer (each pipeline stage's first rank gives its layers')."""
+        merged: dict = {}
+        for stage_specs in self.get_kv_cache_stage_specs():
+            merged.update(stage_specs)
+        return merged
+
+    def get_kv_cache_stage_specs(self) -> list[dict]:
+        """Per-layer KV-cache specs, one dict per pipeline stage (the layers that stage holds)."""
+        specs = self.collective_rpc("get_kv_cache_spec")
+        tp = self.vllm_config.parallel.tensor_parallel_size
+        return [specs[rank] for rank in range(0, len(specs), tp)]
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
         self.collective_rpc("initialize_kv_cache", (kv_cache_config,))
 
-    def execute_model(self, scheduler_output):
-        """Run one step; returns rank 0's ModelRunnerOutput."""
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+    def execute_model(self, scheduler_output, non_block: bool = False) -> Union[Any, Future]:
+        """Run one step; returns the output rank's ModelRunnerOutput (a Future of it with ``non_block``)."""
+        if not non_block:
+            return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+        future = self.collective_rpc_async("execute_model", (scheduler_output,))
+        output: Future = Future()
+
+        def pick(done: Future) -> None:
+            if done.exception() is not None:
+                output.set_exception(done.exception())
+            else:
+                output.set_result(done.result()[self.output_rank])
+
+        future.add_done_callback(pick)
+        return output
 
     def check_health(self) -> None:
         """Raise if a worker is dead."""

@@ -97,15 +97,21 @@ def plan_shared_tensors(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[tuple[str
 
 
 def make_kv_cache_config(specs: dict[str, FullAttentionSpec], memory_bytes: int,
-                         num_blocks_override: Optional[int], max_model_len: int) -> KVCacheConfig:
-    """Size the pool: a block id costs one page in every cache tensor."""
+                         num_blocks_override: Optional[int], max_model_len: int,
+                         stage_layers: Optional[list[set[str]]] = None) -> KVCacheConfig:
+    """Size the pool: a block id costs one page in every cache tensor. With pipeline parallelism
+    (``stage_layers``: the layer names each stage holds), each worker holds only its stage's tensors and
+    ``memory_bytes`` is each worker's budget: the stage with the most bytes per block sets the count."""
     groups = group_layers(specs)
     tensors = plan_shared_tensors(groups)
-    bytes_per_block = sum(specs[names[0]].page_size_bytes for names in tensors)
+    stages = stage_layers or [set(specs)]
+    # a shared tensor lives on every stage holding one of its layers
+    bytes_per_block = max(sum(specs[names[0]].page_size_bytes for names in tensors if layers.intersection(names))
+                          for layers in stages)
     num_blocks = num_blocks_override or memory_bytes // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(f"cache.kv_cache_memory={memory_bytes} bytes holds no KV block "
-                         f"(one block costs {bytes_per_block} bytes over all layers)")
+                         f"(one block costs {bytes_per_block} bytes over a worker's layers)")
     block_size = groups[0].spec.block_size
     has_window = any(isinstance(group.spec, SlidingWindowSpec) for group in groups)
     # every group needs its own blocks for a request (a sliding group, too, while it prefills a long chunk)
@@ -116,7 +122,8 @@ def make_kv_cache_config(specs: dict[str, FullAttentionSpec], memory_bytes: int,
             f"context length model.max_model_len={max_model_len} may need ({needed} blocks over "
             f"{len(groups)} KV-cache group(s)); raise cache.kv_cache_memory (or cache.num_gpu_blocks_override) "
             "or lower model.max_model_len")
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB; %d group(s) over %d shared tensor(s)); one request "
-                "may use up to %d tokens", num_blocks, block_size, num_blocks * bytes_per_block / 2**20,
-                len(groups), len(tensors), max_model_len)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per worker%s; %d group(s) over %d shared tensor(s)); "
+                "one request may use up to %d tokens", num_blocks, block_size, num_blocks * bytes_per_block / 2**20,
+                f", {len(stages)} pipeline stages" if len(stages) > 1 else "", len(groups), len(tensors),
+                max_model_len)
     return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)

@@ -2,6 +2,8 @@
 interleaved sliding-window / full-attention layers and soft-capping where the config asks for it."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from engine.model.layers.rotary import rope_settings
 from engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from engine.model.pipeline import IntermediateTensors
 
 
 class GemmaRMSNorm(nn.Module):
@@ -95,11 +98,21 @@ class GemmaModel(LlamaModel):
         hidden_states = self.embed_tokens(input_ids)
         return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
+                                        device: torch.device) -> IntermediateTensors:
+        return {"hidden_states": torch.empty((num_tokens, self.hidden_size), dtype=dtype, device=device)}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: Optional[IntermediateTensors] = None):
         # the sandwich norms sit between each sublayer and its residual add: no add to fuse into a norm
-        hidden_states = self.embed(input_ids)
-        for layer in self.layers:
+        if self.pp.is_first_rank:
+            hidden_states = self.embed(input_ids)
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+        for layer in self.stage_layers():
             hidden_states = layer(positions, hidden_states)
+        if not self.pp.is_last_rank:
+            return {"hidden_states": hidden_states}
         return self.norm(hidden_states)
 
 

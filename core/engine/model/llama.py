@@ -1,12 +1,13 @@
 """Llama family (SmolLM2, Llama 2/3, Mistral) from tensor-parallel-ready layers; the base of the other families."""
 from __future__ import annotations
 
+from itertools import islice
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
-from engine.distributed.parallel_state import get_tp_group
+from engine.distributed.parallel_state import get_pp_group, get_tp_group, pipeline_layer_range
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.attention import Attention
 from engine.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, linear,
@@ -15,6 +16,7 @@ from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings
 from engine.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from engine.model.model_info import layer_sliding_windows
+from engine.model.pipeline import IntermediateTensors, PPMissingLayer, is_pp_missing_parameter
 
 
 class LlamaMLP(nn.Module):
@@ -100,23 +102,51 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack; under pipeline parallelism, this stage's slice of it (the embedding on the first
+    stage, the final norm on the last, ``PPMissingLayer`` for what other stages hold)."""
+
     decoder_layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
 
     def __init__(self, config, attention_cls: type = LlamaAttention, prefix: str = "model"):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i, f"{prefix}.layers.{i}", attention_cls)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.pp = get_pp_group()
+        self.hidden_size = config.hidden_size
+        self.start_layer, self.end_layer = pipeline_layer_range(config.num_hidden_layers, self.pp.rank,
+                                                                self.pp.world_size)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        # a tied LM head is the embedding table: the last stage holds a copy of it
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) \
+            if self.pp.is_first_rank or (tied and self.pp.is_last_rank) else PPMissingLayer()
+        self.layers = nn.ModuleList(
+            self.decoder_layer_cls(config, i, f"{prefix}.layers.{i}", attention_cls)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps) if self.pp.is_last_rank else PPMissingLayer()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed(input_ids), None
-        for layer in self.layers:
+    def stage_layers(self):
+        return islice(self.layers, self.start_layer, self.end_layer)
+
+    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
+                                        device: torch.device) -> IntermediateTensors:
+        """Buffers for what the previous stage sends: the hidden states and the residual stream."""
+        shape = (num_tokens, self.hidden_size)
+        return {"hidden_states": torch.empty(shape, dtype=dtype, device=device),
+                "residual": torch.empty(shape, dtype=dtype, device=device)}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: Optional[IntermediateTensors] = None):
+        """The final hidden states on the last stage; the residual stream's tensors on the others."""
+        if self.pp.is_first_rank:
+            hidden_states, residual = self.embed(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.stage_layers():
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.pp.is_last_rank:
+            return {"hidden_states": hidden_states, "residual": residual}
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -126,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
 
     model_cls = LlamaModel
     attention_cls = LlamaAttention
+    supports_pp = True  # builds only its pipeline stage's layers; forward takes intermediate_tensors
     # checkpoint name piece -> (fused parameter name piece, shard id)
     stacked_params_mapping = [
         (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
@@ -137,15 +168,22 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = self.model_cls(config, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if not get_pp_group().is_last_rank:
+            self.lm_head = None  # the last stage computes the logits
+        elif self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tp = get_tp_group()
         self.logits_gemm = None  # set by the loader: the LM-head product on a packed weight (LayerKernels.pack_linear)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: Optional[IntermediateTensors] = None):
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
+                                        device: torch.device) -> IntermediateTensors:
+        return self.model.make_empty_intermediate_tensors(num_tokens, dtype, device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.logits_gemm is not None:
@@ -172,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 target, shard_id = name, None
             if target not in params:
+                if is_pp_missing_parameter(target, self):
+                    continue  # another pipeline stage holds it
                 raise ValueError(f"checkpoint tensor '{name}' has no place in {type(self).__name__}")
             param = params[target]
             loader = weight_loader_of(param)

@@ -25,7 +25,7 @@ from engine.config import VllmConfig
 from engine.data_parallel.router import DPRouter
 from engine.errors import EngineDeadError
 from engine.model.model_info import ModelInfo
-from engine.runtime.core_launcher import CoreEngineProcManager, EngineProcWatch, make_addresses
+from engine.runtime.core_launcher import EngineProcWatch, engine_core_addresses, start_engine_cores
 from engine.runtime.core_proc import encode_request
 from engine.runtime.engine_core import EngineCore
 from engine.runtime.lifetime import remove_ipc_dir
@@ -107,7 +107,7 @@ class MPClient:
         self.identities = [engine_identity(rank) for rank in range(self.num_ranks)]
         self.ctx = zmq_context
         self.ipc_dir = tempfile.mkdtemp(prefix="engine-ipc-") if remote is None else None
-        addresses = make_addresses(self.ipc_dir, 1, self.num_ranks) if remote is None else remote.addresses
+        addresses = engine_core_addresses(vllm_config, self.ipc_dir, 1) if remote is None else remote.addresses
         client = 0 if remote is None else remote.client_index
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a gone core raises, never vanishes
@@ -123,7 +123,7 @@ class MPClient:
         self.owns_engines = remote is None
         if remote is None:
             try:
-                self.engines = CoreEngineProcManager(vllm_config, addresses, self.ipc_dir)
+                self.engines = start_engine_cores(vllm_config, addresses, self.ipc_dir)
             except BaseException:
                 remove_ipc_dir(self.ipc_dir)
                 raise

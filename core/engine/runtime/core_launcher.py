@@ -28,11 +28,43 @@ def make_addresses(ipc_dir: str, num_front_ends: int, data_parallel_size: int) -
         coordinator_output=f"ipc://{ipc_dir}/coordinator-out" if with_coordinator else None)
 
 
+def start_dp_coordinator(data_parallel_size: int, addresses: EngineZmqAddresses):
+    """The DP coordinator process (None without data parallelism), a child of this process."""
+    if addresses.coordinator_input is None:
+        return None
+    from engine.data_parallel.coordinator import run_dp_coordinator
+
+    coordinator = multiprocessing.get_context("spawn").Process(
+        target=run_dp_coordinator, name="DPCoordinator", daemon=True,
+        args=(data_parallel_size, addresses.coordinator_input, addresses.coordinator_output, os.getpid(),
+              logging.getLogger("engine").getEffectiveLevel()))
+    start_process(coordinator)
+    return coordinator
+
+
+def engine_core_addresses(vllm_config: VllmConfig, ipc_dir: str, num_front_ends: int) -> EngineZmqAddresses:
+    """IPC addresses for local engine cores; TCP addresses on this node's IP for Ray-placed ones."""
+    size = vllm_config.parallel.data_parallel_size
+    if vllm_config.parallel.data_parallel_backend == "ray":
+        from engine.runtime.ray_engine_cores import make_tcp_addresses
+
+        return make_tcp_addresses(num_front_ends, size)
+    return make_addresses(ipc_dir, num_front_ends, size)
+
+
+def start_engine_cores(vllm_config: VllmConfig, addresses: EngineZmqAddresses, ipc_dir: str):
+    """The engine cores of every DP rank (and the coordinator), as ``parallel.data_parallel_backend`` says."""
+    if vllm_config.parallel.data_parallel_backend == "ray":
+        from engine.runtime.ray_engine_cores import RayEngineCoreManager
+
+        return RayEngineCoreManager(vllm_config, addresses)
+    return CoreEngineProcManager(vllm_config, addresses, ipc_dir)
+
+
 class CoreEngineProcManager:
     """The engine cores of every DP rank and, with more than one, the DP coordinator: started, watched, stopped."""
 
     def __init__(self, vllm_config: VllmConfig, addresses: EngineZmqAddresses, ipc_dir: str):
-        from engine.data_parallel.coordinator import run_dp_coordinator
         from engine.runtime.core_proc import EngineCoreProc
 
         self.ipc_dir = ipc_dir
@@ -42,11 +74,7 @@ class CoreEngineProcManager:
         self.coordinator = None
         self.procs = []
         try:
-            if addresses.coordinator_input is not None:
-                self.coordinator = spawn.Process(target=run_dp_coordinator, name="DPCoordinator", daemon=True,
-                                                 args=(size, addresses.coordinator_input,
-                                                       addresses.coordinator_output, os.getpid(), log_level))
-                start_process(self.coordinator)
+            self.coordinator = start_dp_coordinator(size, addresses)
             for rank in range(size):
                 config = vllm_config.model_copy(deep=True)
                 config.parallel.data_parallel_rank = rank

@@ -7,7 +7,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
-from engine.config import VllmConfig
+from engine.config import ConfigError, VllmConfig
 from engine.errors import EngineDeadError
 from engine.hookspecs import KINDS
 from engine.interfaces.base import SelectionContext
@@ -38,6 +38,24 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     return chosen
 
 
+def check_pipeline_parallel(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
+    """ConfigError unless the model can be cut into ``parallel.pipeline_parallel_size`` stages."""
+    pp = vllm_config.parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    from engine.model.loader import get_model_class
+
+    model_cls = get_model_class(model_info.architecture)
+    if not getattr(model_cls, "supports_pp", False):
+        raise ConfigError(f"parallel.pipeline_parallel_size={pp}: the model class {model_cls.__qualname__} "
+                          f"({model_info.architecture}) does not support pipeline parallelism (it must set "
+                          "supports_pp and take intermediate_tensors); use parallel.pipeline_parallel_size=1")
+    num_layers = model_info.hf_config.num_hidden_layers
+    if pp > num_layers:
+        raise ConfigError(f"parallel.pipeline_parallel_size={pp} exceeds the model's {num_layers} layers: every "
+                          f"stage holds at least one; choose at most {num_layers}")
+
+
 class EngineCore:
     """Owns the scheduler and the executor; one ``step`` is one forward pass of the batch.
 
@@ -52,20 +70,25 @@ class EngineCore:
         self.vllm_config = vllm_config
         self.model_info = model_info or resolve_model(vllm_config.model)
         self.plugins = select_plugins(vllm_config, self.model_info)
+        check_pipeline_parallel(vllm_config, self.model_info)
         choices = {kind: impl.name for kind, impl in self.plugins.items()}
         self.executor = self.plugins["executor"].cls(vllm_config, choices)
-        kv_specs = self.executor.get_kv_cache_spec()
+        stage_specs = self.executor.get_kv_cache_stage_specs()
+        kv_specs = {name: spec for specs in stage_specs for name, spec in specs.items()}
         self.kv_cache_config = make_kv_cache_config(
             kv_specs, vllm_config.cache.kv_cache_memory, vllm_config.cache.num_gpu_blocks_override,
-            self.model_info.max_model_len)
+            self.model_info.max_model_len, [set(specs) for specs in stage_specs])
         self.executor.initialize_kv_cache(self.kv_cache_config)
         self.scheduler = Scheduler(vllm_config, self.kv_cache_config, self.plugins["kv_cache_coordinator"].cls,
                                    self.model_info.max_model_len)
         self.batch_queue: deque = deque()
         self.in_flight: list[SchedulerOutput] = []  # steps scheduled whose results are not applied yet
         self.error_outputs: list[EngineCoreOutput] = []  # requests that failed, to report with the next step
+        # async scheduling: one step runs on a thread while the next is planned; pipeline parallelism: the
+        # executor runs one step per stage at once (vLLM's batch queue)
         self.exec_thread = ThreadPoolExecutor(1, thread_name_prefix="execute") if \
             vllm_config.scheduler.async_scheduling else None
+        self.batch_queue_size = 2 if self.exec_thread is not None else self.executor.max_concurrent_batches
         freeze_gc_heap()
         logger.info("engine core ready in %.1fs", time.perf_counter() - start)
 
@@ -96,7 +119,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """One step; a failure that can be pinned to requests fails them, not the engine."""
         try:
-            outputs = self.step_with_batch_queue() if self.exec_thread is not None else self._step()
+            outputs = self.step_with_batch_queue() if self.batch_queue_size > 1 else self._step()
         except EngineDeadError:
             raise
         except Exception as exc:
@@ -116,15 +139,22 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
-        """Async scheduling: keep one step in flight on the executor thread while planning the next."""
-        if len(self.batch_queue) < 2 and self.scheduler.has_unfinished_requests():
+        """Keep up to ``batch_queue_size`` steps in flight: plan and submit a step while there is room and work
+        the in-flight steps do not cover (a request whose sampled token is still in flight waits), otherwise
+        apply the oldest step's output."""
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
-                future = self.exec_thread.submit(self.executor.execute_model, scheduler_output)
+                if self.exec_thread is not None:
+                    future = self.exec_thread.submit(self.executor.execute_model, scheduler_output)
+                else:
+                    future = self.executor.execute_model(scheduler_output, non_block=True)
                 self.batch_queue.append((scheduler_output, future))
                 self.in_flight.append(scheduler_output)
-                if len(self.batch_queue) < 2:
+                if len(self.batch_queue) < self.batch_queue_size:
                     return EngineCoreOutputs([], self.scheduler.make_stats())  # let the next step be planned
+            else:  # nothing to run now: the workers learn of finished requests with the next step
+                self.scheduler.finished_req_ids.update(scheduler_output.finished_req_ids)
         if not self.batch_queue:
             return EngineCoreOutputs([], self.scheduler.make_stats())
         scheduler_output, future = self.batch_queue[0]
@@ -142,6 +172,8 @@ class EngineCore:
                 pass
         self.batch_queue.clear()
         failed, self.in_flight = self.in_flight, []
+        for output in failed:
+            self.scheduler.step_done(output)
         suspects = list(dict.fromkeys(rid for output in failed for rid in output.num_scheduled_tokens
                                       if rid in self.scheduler.requests))
         if not suspects:

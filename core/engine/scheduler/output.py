@@ -27,6 +27,8 @@ class CachedRequestData(msgspec.Struct):
     req_id: str
     new_block_ids: list[list[int]]
     num_computed_tokens: int
+    # pipeline parallelism only: the step's input tokens (the stages that do not sample learn tokens here)
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct):

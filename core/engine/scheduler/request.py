@@ -48,6 +48,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, once known
         self.num_preemptions = 0
         self.num_output_placeholders = 0  # tokens sampled by in-flight steps, not yet known here
+        self.num_steps_in_flight = 0  # scheduled steps whose output is not applied yet
         self.stop_reason: Optional[int | str] = None
         self.spec_token_ids: list[int] = []  # drafts proposed after its last step, verified by the next
         self.block_hashes: list[bytes] = []

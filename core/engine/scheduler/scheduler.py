@@ -29,6 +29,8 @@ class Scheduler:
         self.max_num_seqs = sched.max_num_seqs
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
+        # stages before the last do not sample: each step tells them its input tokens
+        self.send_token_ids = vllm_config.parallel.pipeline_parallel_size > 1
         self.max_model_len = max_model_len
         self.dp_rank = vllm_config.parallel.data_parallel_rank
         self.block_size = kv_cache_config.block_size
@@ -154,8 +156,10 @@ class Scheduler:
             if drafts:
                 spec_tokens[request.request_id] = drafts
             token_budget -= num_new
-            cached_reqs.append(CachedRequestData(request.request_id, new_blocks.get_block_ids(),
-                                                 request.num_computed_tokens))
+            start = request.num_computed_tokens
+            cached_reqs.append(CachedRequestData(
+                request.request_id, new_blocks.get_block_ids(), start,
+                request.all_token_ids[start:start + num_new] if self.send_token_ids else []))
             req_index += 1
 
         if not preempted:  # a step that had to preempt admits nobody new
@@ -163,6 +167,8 @@ class Scheduler:
                 request = self.waiting[0]
                 if target is not None and (request.request_id != target or num_scheduled):
                     break
+                if request.num_steps_in_flight:
+                    break  # preempted while a step of it runs: readmitted once that step's token is known
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if not self.enable_chunked_prefill and num_new > token_budget:
@@ -197,6 +203,7 @@ class Scheduler:
         for req_id, num in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num
+            request.num_steps_in_flight += 1
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we will only see later
         if self.use_spec_decode:
@@ -242,6 +249,7 @@ class Scheduler:
             self.spec_policy.observe_step(scheduler_output.total_num_scheduled_tokens, num_sampled,
                                           time.perf_counter() - self._step_started)
             self._step_started = None
+        self.step_done(scheduler_output)
         outputs = []
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
@@ -275,6 +283,13 @@ class Scheduler:
                                             request.stop_reason, max(request.num_cached_tokens, 0),
                                             logprobs[:len(new_token_ids)] if logprobs else None, prompt_logprobs))
         return outputs
+
+    def step_done(self, scheduler_output: SchedulerOutput) -> None:
+        """A scheduled step has ended (its output applied, or the step failed)."""
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.num_steps_in_flight -= 1
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

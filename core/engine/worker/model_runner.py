@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from engine.config import VllmConfig
-from engine.distributed.parallel_state import get_tp_group
+from engine.distributed.parallel_state import get_pp_group, get_tp_group
 from engine.forward_context import set_forward_context
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUnsupported, LayerKernels
@@ -85,6 +85,9 @@ class ModelRunner:
         self.builders = []
         own_specs = self.get_kv_cache_spec()  # this rank's heads (ranks may hold different KV-head counts)
         for names in kv_cache_config.shared_tensors():
+            names = [name for name in names if name in own_specs]  # a pipeline stage holds its layers' caches only
+            if not names:
+                continue
             own = own_specs[names[0]]
             shape = self.attention_backend.get_kv_cache_shape(kv_cache_config.num_blocks, own.block_size,
                                                               own.num_kv_heads, own.head_size)
@@ -93,7 +96,8 @@ class ModelRunner:
                 self.attention_layers[name].kv_cache = tensor
         for group_id, group in enumerate(kv_cache_config.groups):
             for name in group.layer_names:
-                self.attention_layers[name].kv_cache_group = group_id
+                if name in self.attention_layers:
+                    self.attention_layers[name].kv_cache_group = group_id
             self.builders.append(self.attention_backend.get_builder_cls()(
                 self.vllm_config.attention.options, self.device, group.spec.block_size,
                 getattr(group.spec, "sliding_window", None)))
@@ -106,6 +110,9 @@ class ModelRunner:
         """The layer kernels' capture of the pure-decode step over the caches just allocated (None: eager)."""
         if self.vllm_config.model.enforce_eager or self.layer_kernels is None:
             return None
+        if get_pp_group().world_size > 1:
+            logger.info("decode step not captured (it runs eagerly): a pipeline stage runs a slice of the model")
+            return None
         try:
             step = self.layer_kernels.capture_decode_step(self.model, self.attention_layers)
         except DecodeCaptureUnsupported as reason:
@@ -116,8 +123,15 @@ class ModelRunner:
         return step
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list,
-                   max_query_len: int) -> torch.Tensor:
-        """The final hidden states: the captured decode step where it takes this step, else the eager model."""
+                   max_query_len: int):
+        """The final hidden states: the captured decode step where it takes this step, else the eager model.
+        A pipeline stage receives the previous stage's tensors first; all but the last return theirs."""
+        pp = get_pp_group()
+        if pp.world_size > 1:
+            intermediate = None if pp.is_first_rank else pp.recv_tensor_dict(
+                self.model.make_empty_intermediate_tensors(len(positions), self.model_info.dtype, self.device))
+            with set_forward_context(metadata):
+                return self.model(input_ids, positions, intermediate)
         step = self.decode_step
         if step is not None and len(input_ids) <= step.max_batch_size and (max_query_len == 1 or step.takes_short_queries):
             hidden_states = step(input_ids, positions, metadata)
@@ -156,11 +170,15 @@ class ModelRunner:
                 for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
                     ids.extend(new_ids)
                 state.num_computed_tokens = cached.num_computed_tokens
-                batch.add_request(state)
-                continue
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
-            if any(cached.new_block_ids):
-                batch.append_block_ids(row, cached.new_block_ids)
+                row = batch.add_request(state)
+            else:
+                batch.num_computed_tokens[row] = cached.num_computed_tokens
+                if any(cached.new_block_ids):
+                    batch.append_block_ids(row, cached.new_block_ids)
+            if cached.new_token_ids:  # pipeline parallelism: tokens sampled by the last stage
+                unseen = cached.num_computed_tokens + len(cached.new_token_ids) - int(batch.num_tokens[row])
+                if unseen > 0:
+                    batch.append_tokens(row, cached.new_token_ids[-unseen:])
         batch.condense()
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             batch.write_drafts(batch.req_id_to_index[req_id], drafts)
@@ -262,6 +280,10 @@ class ModelRunner:
         req_ids, num_scheduled, input_ids, positions, metadata, sampling_rows, num_drafts, logits_indices = \
             self._prepare_inputs(scheduler_output)
         hidden_states = self._run_model(input_ids, positions, metadata, int(num_scheduled.max()))
+        if not get_pp_group().is_last_rank:  # hand the residual stream on; the last stage samples
+            get_pp_group().send_tensor_dict(hidden_states)
+            batch.num_computed_tokens[:len(req_ids)] += num_scheduled
+            return None
         prompt_logprobs = {}
         if (batch.num_prompt_logprobs[:len(req_ids)] >= 0).any():
             query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from engine.config import VllmConfig
-from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from engine.distributed.parallel_state import destroy_model_parallel, init_model_parallel
 from engine.interfaces.base import SelectionContext
 from engine.model.model_info import resolve_model
 from engine.devices import resolve_device
@@ -36,21 +36,21 @@ class Worker:
     def init_device(self) -> None:
         device_name = resolve_device(self.vllm_config.device.device)
         parallel = self.vllm_config.parallel
-        world = parallel.tensor_parallel_size
-        # DP rank r's TP ranks take devices r*TP .. r*TP+TP-1
+        world = parallel.world_size
+        # DP rank r's TP x PP ranks take devices r*W .. r*W+W-1
         index = self.device_index if self.device_index is not None else parallel.data_parallel_rank * world + self.rank
         self.device = torch.device("cuda", index) if device_name == "cuda" else torch.device("cpu")
         threads = self.vllm_config.device.num_threads
         if threads is None and device_name == "cpu" and world * parallel.data_parallel_size > 1:
-            # workers of every DP and TP rank share the cores; oversubscribed OpenMP crawls
+            # workers of every DP, TP and PP rank share the cores; oversubscribed OpenMP crawls
             threads = parallel.threads_per_worker(os.cpu_count() or 1)
         if threads:
             torch.set_num_threads(threads)
         if device_name == "cpu":
             warn_if_not_in_effect()
         torch.manual_seed(self.vllm_config.model.seed)
-        init_tensor_parallel(self.rank, world, self.distributed_init_method or "env://",
-                             "nccl" if device_name == "cuda" else "gloo")
+        init_model_parallel(self.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                            self.distributed_init_method or "env://", "nccl" if device_name == "cuda" else "gloo")
 
     def load_model(self) -> None:
         info = resolve_model(self.vllm_config.model)
@@ -83,4 +83,4 @@ class Worker:
         return True
 
     def shutdown(self) -> None:
-        destroy_tensor_parallel()
+        destroy_model_parallel()

@@ -1,17 +1,22 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank.
+"""MultiprocExecutor: one worker process per rank (tensor_parallel_size x pipeline_parallel_size).
 
-Each step's call goes to every rank over its pipe (the broadcast of the step's work); ranks then
-meet in torch.distributed collectives (gloo on the CPU, NCCL on CUDA). A worker that dies turns
-the next call into EngineDeadError within a poll interval, and shutdown leaves no process behind.
+Each call goes to every rank over its pipe (the broadcast of the step's work); ranks then meet in
+torch.distributed collectives (gloo on the CPU, NCCL on CUDA), pipeline stages in send/recv. Calls do
+not wait for each other: a reader thread collects every rank's answers, call after call, so the engine
+core can keep one step per pipeline stage in flight. A worker that dies fails the pending calls with
+EngineDeadError within a poll interval, and shutdown leaves no process behind.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
+import queue
 import socket
+import threading
 import time
 import traceback
+from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any, Optional
 
@@ -66,13 +71,13 @@ def worker_main(vllm_config, plugin_choices: dict, rank: int, init_method: str, 
 
 
 class MultiprocExecutor(Executor):
-    """Workers in spawned processes, one per rank; rank 0's results are the step's results."""
+    """Workers in spawned processes, one per rank; the output rank's results are the step's results."""
 
     name = "multiproc"
     priority = 10
 
     def _init_executor(self) -> None:
-        world = self.vllm_config.parallel.tensor_parallel_size
+        world = self.vllm_config.parallel.world_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         spawn = multiprocessing.get_context("spawn")
         self.workers, self.conns = [], []
@@ -86,12 +91,31 @@ class MultiprocExecutor(Executor):
             child_conn.close()
             self.workers.append(proc)
             self.conns.append(parent_conn)
+        self.pending_calls: queue.SimpleQueue = queue.SimpleQueue()  # Futures of calls sent, in order
+        self.send_lock = threading.Lock()  # a call reaches every rank before the next one starts
+        self.reader: Optional[threading.Thread] = None
         try:
             self._gather(_STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
+        self.reader = threading.Thread(target=self._read_answers, name="multiproc-answers", daemon=True)
+        self.reader.start()
         logger.info("multiproc executor: %d worker processes ready", world)
+
+    def _read_answers(self) -> None:
+        """Resolve the pending calls in order, each with one answer from every rank."""
+        while True:
+            future = self.pending_calls.get()
+            if future is None:
+                return
+            if self.dead:
+                future.set_exception(EngineDeadError(self.dead))
+                continue
+            try:
+                future.set_result(self._gather())
+            except BaseException as exc:
+                future.set_exception(exc)
 
     def _gather(self, timeout: Optional[float] = None) -> list[Any]:
         """One answer from every rank; any rank's error or death fails at once (no waiting on its peers,
@@ -127,20 +151,31 @@ class MultiprocExecutor(Executor):
         return [results[rank] for rank in range(len(self.conns))]
 
     def _fail(self, reason: str) -> EngineDeadError:
-        self.dead = self.dead or reason
-        logger.error("multiproc executor: %s", reason)
-        self.shutdown()
-        return EngineDeadError(reason)
+        """Mark the executor dead and kill the workers (the others may wait in a collective for the dead one);
+        ``shutdown`` reaps them."""
+        if not self.dead:
+            self.dead = reason
+            logger.error("multiproc executor: %s", reason)
+        for proc in getattr(self, "workers", []):
+            if proc.is_alive():
+                proc.kill()
+        return EngineDeadError(self.dead)
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc_async(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> Future:
         if self.dead:
             raise EngineDeadError(self.dead)
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send((method, args, kwargs or {}))
-            except (BrokenPipeError, OSError):
-                raise self._fail(f"worker rank {rank} is gone") from None
-        return self._gather()
+        future: Future = Future()
+        with self.send_lock:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send((method, args, kwargs or {}))
+                except (BrokenPipeError, OSError):
+                    raise self._fail(f"worker rank {rank} is gone") from None
+            self.pending_calls.put(future)
+        return future
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
+        return self.collective_rpc_async(method, args, kwargs).result()
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self.workers):
@@ -148,6 +183,10 @@ class MultiprocExecutor(Executor):
                 raise self._fail(f"worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc)})")
 
     def shutdown(self) -> None:
+        if getattr(self, "reader", None) is not None:
+            self.pending_calls.put(None)
+            self.reader.join(5)  # it returns once the calls sent before are answered (or the workers die)
+            self.reader = None
         for conn in getattr(self, "conns", []):
             try:
                 conn.send(None)

@@ -1,17 +1,19 @@
-"""RayExecutor: one Ray actor per tensor-parallel rank, on one machine or across a Ray cluster's nodes.
+"""RayExecutor: one Ray actor per rank (TP x PP), on one machine or across a Ray cluster's nodes.
 
 The actors are placed by a placement group (one bundle per rank, packed: ranks share a node while it has
 room, so a cluster of one-CPU nodes gets one rank per node). Ranks are numbered after placement, those on
 the driver's node first, and rank 0's node hosts the torch.distributed rendezvous (gloo on CPUs, NCCL on
 GPUs). Each step's call is put in Ray's object store once and every actor runs it; any actor whose call
 fails or dies (a killed actor, a lost node) fails the step with EngineDeadError and the other actors are
-killed (they may be waiting in a collective for the dead one), so nothing hangs.
+killed (they may be waiting in a collective for the dead one), so nothing hangs. Calls do not wait for each
+other (each actor runs them in order), so the engine core keeps one step per pipeline stage in flight.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 from engine import hookimpl
@@ -95,8 +97,9 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         parallel, device = self.vllm_config.parallel, self.vllm_config.device
-        world = parallel.tensor_parallel_size
+        world = parallel.world_size
         self.dead: Optional[str] = None
+        self.waiter = ThreadPoolExecutor(1, thread_name_prefix="ray-answers")  # resolves calls in order
         self.workers: list = []
         self.placement_group = None
         self.started_ray = not ray.is_initialized()
@@ -157,13 +160,16 @@ class RayExecutor(Executor):
         self._kill_workers()
         return EngineDeadError(reason)
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc_async(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> Future:
         import ray
 
         if self.dead:
             raise EngineDeadError(self.dead)
         call = ray.put((method, args, kwargs or {}))  # serialized once, read by every actor
-        return self._gather([worker.execute.remote(call) for worker in self.workers])
+        return self.waiter.submit(self._gather, [worker.execute.remote(call) for worker in self.workers])
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
+        return self.collective_rpc_async(method, args, kwargs).result()
 
     def check_health(self) -> None:
         import ray
@@ -197,6 +203,7 @@ class RayExecutor(Executor):
                 pass
         self._kill_workers()
         self.workers = []
+        self.waiter.shutdown(wait=False, cancel_futures=True)  # calls in flight fail: their actors are gone
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -18,9 +18,10 @@ class UniProcExecutor(Executor):
 
     @classmethod
     def unavailable_reasons(cls, ctx) -> list[str]:
-        world = ctx.config.parallel.tensor_parallel_size
-        if world != 1:
-            return [f"tensor_parallel_size={world} needs one process per rank; uniproc runs one"]
+        parallel = ctx.config.parallel
+        if parallel.world_size != 1:
+            return [f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
+                    f"{parallel.pipeline_parallel_size} needs one process per rank; uniproc runs one"]
         return []
 
     def _init_executor(self) -> None:
