@@ -373,12 +373,13 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(hostile_server):
     assert "context length" in assert_openai_error(result["response"], 400)["message"]
 
 
-def abandon_non_streaming(srv: Server, headers: dict, count: int = 6, max_tokens: int = 900) -> None:
-    """Non-streaming requests whose clients hang up after a second must stop generating."""
+def abandon_non_streaming(srv: Server, headers: dict, count: int = 6, max_tokens: int = 900,
+                          hang_up_after: float = 1.0) -> None:
+    """Non-streaming requests whose clients hang up (after ``hang_up_after`` s) must stop generating."""
     before = metrics(srv)
 
     async def one(index: int) -> None:
-        async with httpx.AsyncClient(timeout=1.0) as http:
+        async with httpx.AsyncClient(timeout=hang_up_after) as http:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post(srv.url + "/v1/completions", headers=headers,
                                 json={"prompt": f"abandoned {index}", "max_tokens": max_tokens, "ignore_eos": True})
@@ -430,7 +431,8 @@ def pressure_server(tiny_llama, tmp_path_factory):
 
 
 def test_abandoned_non_streaming_requests_are_aborted_without_the_api_key(pressure_server):
-    abandon_non_streaming(pressure_server, {}, count=4, max_tokens=480)
+    # max_model_len 512 caps the length: hang up early, a fast machine generates 480 tokens in about a second
+    abandon_non_streaming(pressure_server, {}, count=4, max_tokens=480, hang_up_after=0.3)
 
 
 def test_kv_pressure_preempts_and_loses_nothing(pressure_server):
