@@ -76,24 +76,49 @@ def test_more_stages_than_layers_is_a_config_error_naming_the_key(tiny_llama):
         LLM(tiny_llama, dtype="float32", pipeline_parallel_size=3)
 
 
-def test_pp2_equals_transformers_with_chunked_prefill_preemption_and_stages_in_flight(tiny_llama_5_layers):
-    hf_model = AutoModelForCausalLM.from_pretrained(tiny_llama_5_layers, dtype=torch.float32).eval()
+@pytest.fixture(scope="module")
+def pp2_llm(tiny_llama_5_layers):
     llm = LLM(tiny_llama_5_layers, dtype="float32", pipeline_parallel_size=2, **STRESS)
-    try:
-        executor = executor_of(llm)
-        assert type(executor).__name__ == "MultiprocExecutor" and len(executor.workers) == 2
-        # each stage holds its layers' KV caches only: 3 + 2 of the 5
-        specs = executor.collective_rpc("get_kv_cache_spec")
-        assert [sorted(int(re.search(r"layers\.(\d+)\.", name).group(1)) for name in stage) for stage in specs] == \
-            [[0, 1, 2], [3, 4]]
-        tokens, most_in_flight = run_counting_steps_in_flight(llm, PROMPTS)
-        assert tokens == hf_greedy(hf_model, PROMPTS, MAX_TOKENS)
-        assert most_in_flight == 2  # the batch queue kept both stages busy
-        stats = llm.get_stats()
-        assert stats.num_preemptions > 0  # the small pool preempted (and the recomputed tokens still match)
-        assert_all_blocks_free(llm)
-    finally:
-        llm.shutdown()
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_5_layers(tiny_llama_5_layers):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_5_layers, dtype=torch.float32).eval()
+
+
+def test_pp2_equals_transformers_with_chunked_prefill_preemption_and_stages_in_flight(pp2_llm, hf_5_layers):
+    llm = pp2_llm
+    executor = executor_of(llm)
+    assert type(executor).__name__ == "MultiprocExecutor" and len(executor.workers) == 2
+    # each stage holds its layers' KV caches only: 3 + 2 of the 5
+    specs = executor.collective_rpc("get_kv_cache_spec")
+    assert [sorted(int(re.search(r"layers\.(\d+)\.", name).group(1)) for name in stage) for stage in specs] == \
+        [[0, 1, 2], [3, 4]]
+    tokens, most_in_flight = run_counting_steps_in_flight(llm, PROMPTS)
+    assert tokens == hf_greedy(hf_5_layers, PROMPTS, MAX_TOKENS)
+    assert most_in_flight == 2  # the batch queue kept both stages busy
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0  # the small pool preempted (and the recomputed tokens still match)
+    assert_all_blocks_free(llm)
+
+
+def test_pp2_aborts_with_steps_in_flight_free_every_block_and_spare_the_others(pp2_llm, hf_5_layers):
+    engine = pp2_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in PROMPTS[:4]]
+    for _ in range(6):  # prefill chunks and first tokens in flight on both stages
+        engine.step()
+    engine.abort_request(ids[1:3])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    expected = hf_greedy(hf_5_layers, [PROMPTS[0], PROMPTS[3]], MAX_TOKENS)
+    assert [finished[ids[0]], finished[ids[3]]] == expected
+    assert_all_blocks_free(pp2_llm)
 
 
 def test_tp2_x_pp2_four_workers_equal_transformers(tiny_llama, hf_tiny_llama):
