@@ -93,6 +93,19 @@ def test_ab_takes_any_config_key_crossed_with_the_kind_lists(tiny_llama, tmp_pat
     assert "enforce_eager=true" in out.read_text() and "enforce_eager=false" in out.read_text()
 
 
+def test_throughput_structured_runs_each_variant_constrained_and_not(tiny_llama, tmp_path):
+    out = tmp_path / "structured.json"
+    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",
+                    "--input-len", "12", "--output-len", "8", "--structured", "json-schema", "--no-bound",
+                    "--dtype", "float32", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    free, constrained = json.loads(out.read_text())["results"]
+    assert constrained["variant"] == free["variant"] + " + json-schema"
+    assert constrained["output_tokens"] == free["output_tokens"] == 4 * 8  # the schema never ends early
+    assert constrained["ratio_to_unconstrained"] == constrained["total_tokens_per_s"] / free["total_tokens_per_s"]
+    assert 0 < constrained["grammar_compile_seconds"] < 60
+
+
 def test_throughput_with_transformers_peer(tiny_llama, tmp_path):
     out = tmp_path / "peer.json"
     result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",

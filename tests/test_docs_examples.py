@@ -26,7 +26,7 @@ def test_every_example_defines_a_plugin_class(examples):
     from engine.interfaces.base import Pluggable
 
     names = {"MyKernelBackend", "ForceToken", "InlineExecutor", "GumbelSampler", "NeverHitCoordinator",
-             "TanhSiluKernels", "MyLlamaForCausalLM"}
+             "TanhSiluKernels", "MyLlamaForCausalLM", "DigitsOnly"}
     assert names <= set(examples)
     assert all(issubclass(examples[n], Pluggable) for n in names - {"MyLlamaForCausalLM"})
 
@@ -52,3 +52,31 @@ def test_the_layer_kernels_example_matches_native(examples):
 
     x = torch.randn(4, 16)
     torch.testing.assert_close(examples["TanhSiluKernels"]().silu_and_mul(x), NativeLayerKernels().silu_and_mul(x))
+
+
+def test_the_structured_output_example_masks_and_ends(examples):
+    import numpy as np
+
+    from engine.sampling_params import StructuredOutputsParams
+
+    class Tokenizer:
+        def decode(self, ids):
+            return {3: "7", 4: " 2", 5: "x"}.get(ids[0], "?")
+
+    backend_cls = examples["DigitsOnly"]
+    with pytest.raises(ValueError, match="only takes"):
+        backend_cls.validate(StructuredOutputsParams(regex="[a-z]+"))
+    with pytest.raises(ValueError, match="cannot express a json"):
+        backend_cls.validate(StructuredOutputsParams(json={"type": "object"}))
+    backend = backend_cls(VllmConfig.load(), Tokenizer(), 40, 39)
+    matcher = backend.new_matcher(backend.compile_grammar(StructuredOutputsParams(regex="[0-9]{1,2}")))
+    bitmask = np.zeros((1, 2), dtype=np.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    allowed = [t for t in range(40) if bitmask[0, t // 32] >> (t % 32) & 1]
+    assert allowed == [3, 4]  # digits only, no stop before the first
+    assert matcher.accept_tokens([3, 4]) and not matcher.accept_tokens([5])
+    matcher.fill_bitmask(bitmask, 0)
+    assert [t for t in range(40) if bitmask[0, t // 32] >> (t % 32) & 1] == [39]
+    assert matcher.accept_tokens([39]) and matcher.is_terminated()
+    matcher.rollback(1)
+    assert not matcher.is_terminated()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -119,7 +120,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, client, 
     ("/v1/completions", {"prompt": "hi", "max_token": 3}, "max_token"),  # misspelt: never fails open
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "functions": [{"name": "f"}]}, "functions"),  # OpenAI's legacy field: use tools
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"usage": 1}},
      "stream_options.usage"),
 ])
@@ -216,3 +217,75 @@ def test_engine_that_cannot_start_exits_non_zero_with_one_clear_line(tiny_llama)
         assert len(failures) == 1 and "attention.backend" in failures[0], srv.output()
     finally:
         srv.stop()
+
+
+# ---- structured outputs and tool calls (the tiny model: outputs are random, constraints still hold) ----------
+DIGIT_SCHEMA = {"type": "object", "properties": {"digit": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                 "unit": {"enum": ["cm", "in"]}}, "required": ["digit", "unit"]}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"enum": ["Paris", "Oslo"]},
+                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                     "required": ["city", "days"]}}}
+
+
+def test_response_format_json_schema_and_structured_outputs(client):
+    import jsonschema
+
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "measure"}], max_tokens=64, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": DIGIT_SCHEMA}})
+    assert response.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(response.choices[0].message.content), DIGIT_SCHEMA)
+    completion = client.completions.create(model=MODEL_NAME, prompt="pick", max_tokens=16, temperature=1.0, n=4,
+                                           extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert {c.text for c in completion.choices} <= {"left", "right"}
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, "structured_outputs", "xgrammar"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "xgrammar"),
+    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs", "uniqueItems"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ({"tools": [WEATHER_TOOL]}, "tool_choice", "--tool-call-parser"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "nope"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"structured_outputs": {"json": json.loads('{"type": "array", "items": ' * 300 + '{}' + '}' * 300)}},
+     "structured_outputs.json", "deeper than 128"),
+    ({"structured_outputs": {"json": '{"items": ' * 5000 + '{}' + '}' * 5000}}, "structured_outputs.json",
+     "deeper than 128"),
+])
+def test_bad_constraints_and_tool_choices_answer_400(server, body, param, words):
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_named_tool_choice_returns_valid_tool_calls_streamed_and_not(client):
+    import jsonschema
+
+    schema = WEATHER_TOOL["function"]["parameters"]
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], max_tokens=64,
+                  temperature=1.0, tools=[WEATHER_TOOL],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    arguments, names, ids, finish = "", set(), set(), None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or []:
+            assert delta.index == 0
+            names.add(delta.function.name) if delta.function.name else None
+            ids.add(delta.id) if delta.id else None
+            arguments += delta.function.arguments or ""
+    assert names == {"get_weather"} and len(ids) == 1 and finish == "stop"
+    jsonschema.validate(json.loads(arguments), schema)

@@ -4,9 +4,9 @@ from engine.thread_policy import apply_default_wait_policy
 apply_default_wait_policy()  # before anything loads torch's OpenMP: idle threads sleep instead of spinning
 
 from engine.hookspecs import CONTRACT_VERSION, hookimpl  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "hookimpl", "CONTRACT_VERSION", "EngineDeadError",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "hookimpl", "CONTRACT_VERSION", "EngineDeadError",
            "EngineGenerateError"]
 __version__ = "0.1.0"
 

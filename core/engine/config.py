@@ -212,6 +212,12 @@ class DeviceConfig(_Section):
                                "($XDG_CACHE_HOME/engine/products); false measures them again at load")
 
 
+class StructuredOutputsConfig(_Section):
+    """Structured outputs: the grammar backend that enforces json / regex / choice / grammar constraints."""
+
+    backend: str = plugin_choice("structured_output")
+
+
 class ServerConfig(_Section):
     """The OpenAI-compatible HTTP server (`engine serve`)."""
 
@@ -224,6 +230,7 @@ class ServerConfig(_Section):
         8 * 1024**2, description="largest request body accepted (accepts 8MiB, 512KiB); larger bodies get HTTP 413")
     api_server_count: int = Field(1, gt=0, description="API-server processes sharing the port (each talks to "
                                   "every engine core; useful when the front end, not the model, is the bottleneck)")
+    tool_call_parser: str = Field("none", description=KINDS["tool_parser"].choice_help)
     shutdown_grace_period: float = Field(
         5.0, ge=0, description="seconds that requests in flight get to finish after SIGTERM; then each gets a "
         "final error (a 503 body, or an error event on a stream) and the server exits")
@@ -241,9 +248,10 @@ SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "parallel": ParallelConfig, "attention": AttentionConfig, "sampler": SamplerConfig,
     "device": DeviceConfig, "server": ServerConfig, "speculative": SpeculativeConfig,
+    "structured_outputs": StructuredOutputsConfig,
 }
 # whole sections under a second name, as vLLM spells them (`--speculative-config '{"method": "ngram"}'`)
-SECTION_ALIASES = {"speculative_config": "speculative"}
+SECTION_ALIASES = {"speculative_config": "speculative", "structured_outputs_config": "structured_outputs"}
 
 # Short flat names, as users type them (`--attention flashinfer`): each plugin kind's flags, and a few more.
 FLAT_ALIASES = {
@@ -288,6 +296,7 @@ class VllmConfig(BaseSettings):
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
 
     @model_validator(mode="after")
     def _combinations(self) -> "VllmConfig":

@@ -1,7 +1,7 @@
 """The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
 
 A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
-contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.6"``; a different major version is
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.7"``; a different major version is
 refused, an older 1.x minor keeps working through adapters) and implements any of the hooks below with
 ``@engine.hookimpl``. Each class hook returns a list of implementation classes; every class carries a
 unique ``name``, a ``priority`` used by ``auto``, and a classmethod ``unavailable_reasons(ctx)`` that says
@@ -20,10 +20,11 @@ from typing import Callable, Optional
 import pluggy
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.6"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.7"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
-# LayerKernels.capture_decode_step, 1.6 engine_spec_proposers
+# LayerKernels.capture_decode_step, 1.6 engine_spec_proposers, 1.7 engine_structured_output_backends and
+# engine_tool_parsers
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -43,6 +44,9 @@ class PluginKind:
     choice_help: str  # the config field's description (what ``auto`` picks)
     returns_classes: bool = True  # False: the hook fills a registry instead (model families, loaded lazily)
     off_value: Optional[str] = None  # a config value that turns the kind off (no implementation is selected)
+    # False: chosen when first needed, not when the engine starts (an engine without any structured-output
+    # backend installed serves every other request; a constrained one is refused with the reason)
+    selected_at_start: bool = True
 
 
 KINDS: dict[str, PluginKind] = {}
@@ -50,11 +54,12 @@ KINDS: dict[str, PluginKind] = {}
 
 def plugin_kind(name: str, *, base: str, process: str, construction: str, config_key: Optional[str] = None,
                 flags: tuple[str, ...] = (), choice_help: str = "",
-                returns_classes: bool = True, off_value: Optional[str] = None) -> Callable[[Callable], Callable]:
+                returns_classes: bool = True, off_value: Optional[str] = None,
+                selected_at_start: bool = True) -> Callable[[Callable], Callable]:
     """Declare the kind whose hookspec this decorates (and mark the function as a hookspec)."""
     def declare(function: Callable) -> Callable:
         KINDS[name] = PluginKind(name, function.__name__, base, config_key, flags, process, construction,
-                                 choice_help, returns_classes, off_value)
+                                 choice_help, returns_classes, off_value, selected_at_start)
         return hookspec(function)
     return declare
 
@@ -181,6 +186,47 @@ def engine_spec_proposers() -> list[type]:
     After every step that samples, rank 0's runner calls ``propose(batch)`` with each sampling row's tokens
     and gets up to ``batch.max_num_drafts[i]`` draft tokens per row back; the scheduler schedules them
     with the next step and the runner's rejection sampler keeps the ones the target model agrees with.
+    """
+
+
+@plugin_kind("structured_output", base="engine.interfaces.structured_output:StructuredOutputBackend",
+             process="api server and engine core", config_key="structured_outputs.backend",
+             flags=("structured_outputs_backend", "guided_decoding_backend"), selected_at_start=False,
+             construction="validate(params) (a classmethod) in the front end for every constrained request; "
+                          "cls(vllm_config, tokenizer, vocab_size, eos_token_id) once in the engine core, on the first "
+                          "constrained request; compile_grammar(params) on a worker thread, once per distinct "
+                          "constraint; new_matcher(compiled) per request",
+             choice_help="structured-output backend plugin (xgrammar, guidance...) for json / regex / choice / "
+                         "grammar constraints; auto = highest priority available (xgrammar)")
+def engine_structured_output_backends() -> list[type]:
+    """Return StructuredOutputBackend subclasses (``engine.interfaces.structured_output``): grammar engines
+    that constrain a request's output to a JSON schema, a regex, a choice or a grammar.
+
+    Chosen by ``structured_outputs.backend`` when a constrained request first arrives (an engine without a
+    backend serves unconstrained requests and refuses constrained ones with the reason). ``validate(params)``
+    runs in the front end; in the engine core the class is constructed once as ``cls(vllm_config, tokenizer,
+    vocab_size, eos_token_id)``, ``compile_grammar(params)`` runs on a worker thread (results are cached per
+    distinct constraint) and ``new_matcher(compiled)`` gives each request its matcher, which fills the token
+    bitmask applied before sampling and accepts the sampled tokens.
+    """
+
+
+@plugin_kind("tool_parser", base="engine.interfaces.tool_parser:ToolParser", process="api server",
+             config_key="server.tool_call_parser", flags=("tool_call_parser",), off_value="none",
+             selected_at_start=False,
+             construction="cls(tokenizer) per chat request with tool_choice 'auto'; extract_tool_calls(text) on the "
+                          "finished text, extract_tool_calls_streaming(previous_text, current_text, delta_text) per "
+                          "streamed delta",
+             choice_help="tool-call parser plugin (hermes...) that turns the model's text into tool_calls for "
+                         "tool_choice 'auto'; none = 'auto' is refused (named and 'required' tool choices need no "
+                         "parser)")
+def engine_tool_parsers() -> list[type]:
+    """Return ToolParser subclasses (``engine.interfaces.tool_parser``): parsers that find tool calls in the
+    text a model writes when it may call a tool (``tool_choice: "auto"``).
+
+    Chosen by ``server.tool_call_parser`` (``none``: off). Constructed in the API server per chat request as
+    ``cls(tokenizer)``; ``extract_tool_calls(text)`` splits a finished answer into content and tool calls,
+    ``extract_tool_calls_streaming`` turns each streamed text delta into a content or tool-call delta.
     """
 
 

@@ -36,6 +36,7 @@ BUILTIN_MODULES = (
     "engine.spec_decode.ngram",
     "engine.spec_decode.suffix",
     "engine.spec_decode.draft_model",
+    "engine.tool_parsers.hermes",
     "engine.model.registry",
 )
 

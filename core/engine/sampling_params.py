@@ -20,6 +20,85 @@ def _is_int64(value: Any) -> bool:
     return value is None or (isinstance(value, int) and INT64_MIN <= value <= INT64_MAX)
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_TOO_DEEP = object()
+MAX_SCHEMA_DEPTH = 128  # nesting of a JSON schema's objects and arrays (deeper ones overflow parsers' stacks)
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deeply dicts and lists nest in ``value`` (iterative: a hostile value cannot overflow the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_SCHEMA_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on a request's output (vLLM's name): exactly one of ``json`` (a JSON schema, as a dict or
+    its text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF for xgrammar, Lark
+    for guidance) or ``json_object=True`` (any JSON object). The structured-output backend plugin enforces it
+    with a token bitmask applied before sampling."""
+
+    json: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameterError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar or "
+                                        f"json_object, got {given or 'none'}", "structured_outputs")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidParameterError("StructuredOutputsParams.choice must be a non-empty list of non-empty "
+                                        "strings", "structured_outputs.choice")
+        for field in ("regex", "grammar"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidParameterError(f"StructuredOutputsParams.{field} must be a non-empty string",
+                                            f"structured_outputs.{field}")
+        if isinstance(self.json, str):
+            import json as json_module
+
+            try:
+                parsed = json_module.loads(self.json)
+            except RecursionError:
+                parsed = _TOO_DEEP  # nested past the parser's stack: refused below
+            except ValueError as exc:
+                raise InvalidParameterError(f"StructuredOutputsParams.json is not valid JSON: {exc}",
+                                            "structured_outputs.json") from None
+            if not isinstance(parsed, (dict, bool)) and parsed is not _TOO_DEEP:
+                raise InvalidParameterError("StructuredOutputsParams.json must be a JSON schema (an object)",
+                                            "structured_outputs.json")
+        else:
+            parsed = self.json
+        if self.json is not None and (parsed is _TOO_DEEP or _nesting_depth(parsed) > MAX_SCHEMA_DEPTH):
+            raise InvalidParameterError(f"StructuredOutputsParams.json nests deeper than {MAX_SCHEMA_DEPTH} levels",
+                                        "structured_outputs.json")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
+
+    def spec(self) -> str:
+        """The constraint as one string (a JSON schema as canonical JSON): with ``kind``, the compile cache's key."""
+        import json as json_module
+
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            return json_module.dumps(json_module.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        if self.kind == "choice":
+            return json_module.dumps(value)
+        return "" if self.kind == "json_object" else value
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Generation settings of one request. Invalid values raise InvalidParameterError (a ValueError) naming the field.
 
@@ -54,6 +133,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     detokenize: bool = True
     skip_prefix_cache: bool = False
     extra_args: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled by the input processor from ``bad_words`` with the model's tokenizer.
     bad_words_token_ids: Optional[list[list[int]]] = None
 

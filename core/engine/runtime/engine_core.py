@@ -19,6 +19,7 @@ from engine.runtime.lifetime import freeze_gc_heap
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     plugins = get_plugin_manager()
     ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=len(set(model_info.layer_sliding_windows)))
     requested = {kind.name: vllm_config.get_key(kind.config_key) for kind in KINDS.values()
-                 if kind.config_key and vllm_config.get_key(kind.config_key) != kind.off_value}
+                 if kind.config_key and kind.selected_at_start
+                 and vllm_config.get_key(kind.config_key) != kind.off_value}
     chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
     for kind, impl in chosen.items():
         why = "as configured" if requested[kind] != "auto" else "auto: highest-priority available"
@@ -79,8 +81,9 @@ class EngineCore:
             kv_specs, vllm_config.cache.kv_cache_memory, vllm_config.cache.num_gpu_blocks_override,
             self.model_info.max_model_len, [set(specs) for specs in stage_specs])
         self.executor.initialize_kv_cache(self.kv_cache_config)
+        self.structured_output_manager = StructuredOutputManager(vllm_config, self.model_info)
         self.scheduler = Scheduler(vllm_config, self.kv_cache_config, self.plugins["kv_cache_coordinator"].cls,
-                                   self.model_info.max_model_len)
+                                   self.model_info.max_model_len, self.structured_output_manager)
         self.batch_queue: deque = deque()
         self.in_flight: list[SchedulerOutput] = []  # steps scheduled whose results are not applied yet
         self.error_outputs: list[EngineCoreOutput] = []  # requests that failed, to report with the next step
@@ -124,8 +127,13 @@ class EngineCore:
             raise
         except Exception as exc:
             outputs = self._recover_from_failed_step(exc)
+        if self.scheduler.error_outputs:
+            self.error_outputs += self.scheduler.error_outputs
+            self.scheduler.error_outputs = []
         if self.error_outputs:
             outputs.outputs[:0], self.error_outputs = self.error_outputs, []
+        elif not outputs.outputs and self.scheduler.num_waiting_for_grammar():
+            time.sleep(0.0005)  # only grammars compiling: leave the compile thread the CPU instead of spinning
         return outputs
 
     def _step(self) -> EngineCoreOutputs:
@@ -200,6 +208,7 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         if self.exec_thread is not None:
             self.exec_thread.shutdown(wait=True)
         self.executor.shutdown()

@@ -15,10 +15,11 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, tokenizer, max_logprobs: int = 20):
+    def __init__(self, model_info: ModelInfo, tokenizer, max_logprobs: int = 20, structured_outputs_validator=None):
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
+        self.structured_outputs_validator = structured_outputs_validator
 
     def eos_token_id(self) -> Optional[int]:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -66,6 +67,10 @@ class InputProcessor:
             token_ids = list(prompt)
         self.model_info.check_prompt_token_ids(token_ids)
         params.validate_for_model(self.model_info.vocab_size, self.max_logprobs)
+        if params.structured_outputs is not None:
+            if self.structured_outputs_validator is None:
+                raise InvalidParameterError("structured outputs are not available here", "structured_outputs")
+            self.structured_outputs_validator.validate(params.structured_outputs)
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         now, eos = time.monotonic(), self.eos_token_id()
@@ -81,8 +86,10 @@ def build_front_end(vllm_config) -> tuple:
     from engine.model.model_info import resolve_model
     from engine.model.tokenizer import get_tokenizer
     from engine.runtime.output_processor import OutputProcessor
+    from engine.structured_output.validation import StructuredOutputsValidator
 
     model_info = resolve_model(vllm_config.model)
     tokenizer = get_tokenizer(model_info)
-    return (model_info, tokenizer, InputProcessor(model_info, tokenizer, vllm_config.model.max_logprobs),
+    validator = StructuredOutputsValidator(vllm_config, model_info)
+    return (model_info, tokenizer, InputProcessor(model_info, tokenizer, vllm_config.model.max_logprobs, validator),
             OutputProcessor(tokenizer))

@@ -51,6 +51,7 @@ class Request:
         self.num_steps_in_flight = 0  # scheduled steps whose output is not applied yet
         self.stop_reason: Optional[int | str] = None
         self.spec_token_ids: list[int] = []  # drafts proposed after its last step, verified by the next
+        self.structured_output_request = None  # its constraint's compile and matcher (StructuredOutputRequest)
         self.block_hashes: list[bytes] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 

@@ -23,7 +23,7 @@ class Scheduler:
     """Continuous batching within a token budget; preemption by recompute when blocks run out."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, coordinator_cls: type,
-                 max_model_len: int):
+                 max_model_len: int, structured_output_manager=None):
         sched = vllm_config.scheduler
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_num_seqs = sched.max_num_seqs
@@ -44,6 +44,8 @@ class Scheduler:
         self.num_requests_received = 0
         # requests of a step that failed: run one at a time until each has sampled, to find the culprit
         self.isolated: dict[str, None] = {}
+        self.structured_output_manager = structured_output_manager
+        self.error_outputs: list[EngineCoreOutput] = []  # requests that failed outside a step, to report
         speculative = vllm_config.speculative
         self.use_spec_decode = speculative.method != "none"
         self.spec_stats = SpecDecodingStats() if self.use_spec_decode else None
@@ -57,6 +59,12 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; a constrained one starts its grammar's compile (ConfigError: no backend here)."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("this scheduler has no structured-output manager")
+            request.structured_output_request = self.structured_output_manager.request(constraint)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.num_requests_received += 1
@@ -129,8 +137,12 @@ class Scheduler:
             if target is not None and request.request_id != target:
                 req_index += 1
                 continue
+            constrained = request.structured_output_request is not None
+            if constrained and request.num_steps_in_flight:
+                req_index += 1  # its matcher has not seen the token in flight: the next bitmask must wait for it
+                continue
             num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            drafts = request.spec_token_ids if use_drafts else []
+            drafts = request.spec_token_ids if use_drafts and not constrained else []
             # a draft's slot is a position past the known tokens; after all are accepted one more token follows
             drafts = drafts[:max(0, self.max_model_len - request.num_tokens - 1)]
             if drafts and request.sampling_params.max_tokens is not None:
@@ -162,6 +174,7 @@ class Scheduler:
                 request.all_token_ids[start:start + num_new] if self.send_token_ids else []))
             req_index += 1
 
+        skipped: list[Request] = []  # waiting for their grammar's compile: the requests behind them go first
         if not preempted:  # a step that had to preempt admits nobody new
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
@@ -169,6 +182,17 @@ class Scheduler:
                     break
                 if request.num_steps_in_flight:
                     break  # preempted while a step of it runs: readmitted once that step's token is known
+                constraint = request.structured_output_request
+                if constraint is not None and not constraint.is_ready():
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if constraint is not None and constraint.error is not None:
+                    self.waiting.popleft()
+                    request.status = RequestStatus.FINISHED_ERROR
+                    self._free_request(request)
+                    self.error_outputs.append(EngineCoreOutput(request.request_id, [], "error",
+                                                               error=constraint.error))
+                    continue
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if not self.enable_chunked_prefill and num_new > token_budget:
@@ -190,6 +214,7 @@ class Scheduler:
                     output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit, eos_token_id=request.eos_token_id))
+        self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
@@ -206,9 +231,31 @@ class Scheduler:
             request.num_steps_in_flight += 1
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we will only see later
+        if self.structured_output_manager is not None:
+            self._add_grammar_bitmask(output)
         if self.use_spec_decode:
             self._step_started = time.perf_counter()  # the step's time feeds dynamic speculation's cost model
         return output
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The allowed-token bitmask of every constrained request that samples in this step."""
+        rows: dict[str, int] = {}
+        grammars = []
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            constraint = request.structured_output_request
+            if constraint is None or constraint.grammar is None or request.num_computed_tokens < request.num_tokens:
+                continue  # unconstrained, or a prefill chunk that samples nothing
+            rows[req_id] = len(grammars)
+            grammars.append(constraint.grammar)
+        if grammars:
+            output.structured_output_request_ids = rows
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(grammars)
+
+    def num_waiting_for_grammar(self) -> int:
+        """Waiting requests whose constraint is still compiling."""
+        return sum(1 for request in self.waiting if request.structured_output_request is not None
+                   and not request.structured_output_request.is_ready())
 
     def _drafts_pay(self) -> bool:
         """Dynamic speculation: whether this step should verify the running requests' drafts."""
@@ -267,9 +314,15 @@ class Scheduler:
                 self.spec_stats.observe(len(drafts), num_accepted)
                 self.spec_policy.observe_acceptance(len(drafts), num_accepted)
             new_token_ids = []
+            error = None
+            constraint = request.structured_output_request
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
+                if constraint is not None and constraint.grammar is not None:
+                    error = self._advance_grammar(request, token_id)
+                    if request.is_finished():
+                        break
                 if self._check_stop(request):
                     break
             if request.is_finished():
@@ -281,8 +334,23 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(req_id, new_token_ids, request.status.finish_reason,
                                             request.stop_reason, max(request.num_cached_tokens, 0),
-                                            logprobs[:len(new_token_ids)] if logprobs else None, prompt_logprobs))
+                                            logprobs[:len(new_token_ids)] if logprobs else None, prompt_logprobs,
+                                            error=error))
         return outputs
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int) -> Optional[str]:
+        """Feed a sampled token to the request's matcher: a grammar that has ended stops the request; a token the
+        grammar refuses (a logits processor forced it past the bitmask) ends it with an error."""
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens([token_id]):
+            request.status = RequestStatus.FINISHED_ERROR
+            logger.error("request %s sampled token %d, which its grammar does not allow", request.request_id, token_id)
+            return (f"the sampled token {token_id} breaks the request's structured-output constraint (another "
+                    "setting, such as min_tokens or logit_bias, forced a token the grammar does not allow)")
+        if grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+        return None
 
     def step_done(self, scheduler_output: SchedulerOutput) -> None:
         """A scheduled step has ended (its output applied, or the step failed)."""

@@ -252,6 +252,29 @@ class ModelRunner:
                 processor.apply(logits, LogitsBatch(torch.from_numpy(asked), self.input_batch, rows[asked],
                                                     None if num_tokens is None else num_tokens[asked]))
 
+    @staticmethod
+    def _apply_grammar_bitmask(logits: torch.Tensor, scheduler_output: SchedulerOutput, req_ids: list[str],
+                               position_rows: np.ndarray) -> None:
+        """Structured outputs: -inf for the tokens a constrained row's grammar does not allow (only those rows
+        are touched; tokens past the bitmask's vocabulary are never allowed)."""
+        mask_row_of = scheduler_output.structured_output_request_ids
+        logit_rows, mask_rows = [], []
+        for index, row in enumerate(position_rows.tolist()):
+            mask_row = mask_row_of.get(req_ids[row])
+            if mask_row is not None:
+                logit_rows.append(index)
+                mask_rows.append(mask_row)
+        if not logit_rows:
+            return
+        words = torch.from_numpy(np.ascontiguousarray(scheduler_output.grammar_bitmask[mask_rows]))
+        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(mask_rows), -1).bool()
+        vocab = logits.shape[-1]
+        if allowed.shape[1] < vocab:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+        index = torch.tensor(logit_rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
     def _prompt_logprobs(self, hidden_states: torch.Tensor, query_start_loc: np.ndarray) -> dict[str, list[TokenLogprobs]]:
         """Score the prompt tokens this step reaches: position p's logits rate prompt token p + 1."""
         batch = self.input_batch
@@ -301,6 +324,8 @@ class ModelRunner:
         wants_logprobs = np.nonzero(num_logprobs >= 0)[0]
         raw_logprobs = logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1).cpu() if len(wants_logprobs) else None
         self._apply_logits_processors(logits, position_rows, offsets)
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, scheduler_output, req_ids, position_rows)
         sampling_metadata = self._sampling_metadata(position_rows, offsets)
         if speculating:
             emitted = self._verify_drafts(logits, sampling_metadata, position_rows, offsets, sampling_rows, num_drafts,

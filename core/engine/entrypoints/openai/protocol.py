@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from engine.errors import InvalidParameterError
+from engine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("engine.server")
 
@@ -42,8 +43,7 @@ def find_lone_surrogate(value: Any, path: str = "") -> Optional[str]:
 
 
 # Documented OpenAI fields that change nothing here (accounting, storage, routing): accepted, logged once.
-NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
-                    "prompt_cache_key")
+NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 _logged_no_effect: set[str] = set()
 
 
@@ -66,6 +66,51 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = "response"
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON that matches a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+    def constraint(self) -> Optional[StructuredOutputsParams]:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` body field: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object)
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -85,7 +130,6 @@ class _SamplingFields(_Request):
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     # vLLM's extras
@@ -100,6 +144,8 @@ class _SamplingFields(_Request):
     allowed_token_ids: Optional[list[TokenId]] = None
     bad_words: Optional[list[str]] = None
     cache_salt: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
     # vLLM's name: SamplingParams.extra_args, read by third-party logits processors
     vllm_xargs: Optional[dict[str, Union[str, Int64, float, bool, None, list[Union[str, Int64, float, bool, None]]]]] = None
 
@@ -121,8 +167,20 @@ class _SamplingFields(_Request):
                 raise ValueError(f"biases must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for {key!r}")
         return value
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], default_max: int) -> SamplingParams:
-        """Map onto SamplingParams; invalid values raise ValueError naming the field."""
+    def constraint(self) -> Optional[StructuredOutputsParams]:
+        """The output constraint asked for by ``response_format`` or ``structured_outputs`` (at most one)."""
+        from_format = self.response_format.constraint() if self.response_format is not None else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise InvalidParameterError("response_format and structured_outputs both constrain the output; "
+                                        "give one of them", "structured_outputs")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return from_format
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], default_max: int,
+                        constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """Map onto SamplingParams (with ``constraint``, else the body's own); invalid values raise ValueError
+        naming the field."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
@@ -133,7 +191,8 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens if max_tokens is not None else default_max, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words, logprobs=logprobs, extra_args=self.vllm_xargs)
+            bad_words=self.bad_words, logprobs=logprobs, extra_args=self.vllm_xargs,
+            structured_outputs=constraint if constraint is not None else self.constraint())
 
 
 class CompletionRequest(_SamplingFields):
@@ -159,6 +218,27 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatCompletionTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[Count] = None
@@ -167,6 +247,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[Count] = None
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None
+    tools: Optional[list[ChatCompletionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one call (tool_choice "required" and "auto")
 
 
 class TokenizeRequest(_Request):

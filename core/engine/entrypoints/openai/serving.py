@@ -78,13 +78,15 @@ class OpenAIServing:
         return await asyncio.to_thread(encode_all)
 
     @staticmethod
-    def chat_prompt_ids(engine, messages, add_generation_prompt: bool, chat_template: Optional[str]) -> list[int]:
+    def chat_prompt_ids(engine, messages, add_generation_prompt: bool, chat_template: Optional[str],
+                        tools: Optional[list[dict]] = None) -> list[int]:
+        """The conversation through the chat template (which decides how ``tools`` and tool messages show)."""
         tokenizer = engine.tokenizer
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        conversation = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in messages]
         try:
             text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
+                                                 chat_template=chat_template, tools=tools)
         except Exception as exc:
             raise APIError(f"cannot apply the chat template: {exc}", 400, "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
@@ -95,6 +97,14 @@ class OpenAIServing:
         for prompt in prompts:
             engine.input_processor.process("validate", prompt, params)
             engine.input_processor.check_context_length(len(prompt["prompt_token_ids"]), params)
+
+    async def validate_off_loop(self, engine, prompts: list[dict], params) -> None:
+        """``validate``; a constrained request's check (its backend parses the schema or grammar) runs on a
+        thread, so that a large constraint does not stall the other clients."""
+        if params.structured_outputs is None:
+            self.validate(engine, prompts, params)
+        else:
+            await asyncio.to_thread(self.validate, engine, prompts, params)
 
     # ---- generation -----------------------------------------------------------------------------
     async def generate(self, engine, prompt: Any, params, request_id: str) -> AsyncIterator[RequestOutput]:

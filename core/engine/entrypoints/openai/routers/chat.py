@@ -11,6 +11,7 @@ from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from engine.entrypoints.openai.serving import OpenAIServing, get_serving
 from engine.entrypoints.openai.streaming import stream_choices, usage
+from engine.entrypoints.openai.tool_calls import ToolCallPlan, select_tool_parser
 
 router = APIRouter()
 
@@ -39,27 +40,40 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request,
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise APIError("top_logprobs must be in [0, 20]", 400, "top_logprobs")
+    plan = ToolCallPlan(body, select_tool_parser(serving.config) if body.tools else None)
+    tool_constraint = plan.constraint()
+    if tool_constraint is not None and body.constraint() is not None:
+        raise APIError(f"tool_choice {plan.mode!r} constrains the output to a tool call; it cannot be combined with "
+                       "response_format or structured_outputs", 400, "tool_choice")
     prompt_ids = await asyncio.to_thread(serving.chat_prompt_ids, engine, body.messages, body.add_generation_prompt,
-                                         body.chat_template)
+                                         body.chat_template, plan.template_tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, engine.model_info.max_model_len - len(prompt_ids))
-    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max)
+    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max,
+                                  tool_constraint)
     prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
-    serving.validate(engine, [prompt], params)
+    await serving.validate_off_loop(engine, [prompt], params)
     request_id = random_id("chatcmpl")
     header = {"id": request_id, "object": "chat.completion", "created": now(), "model": serving.model_name}
     num_top = body.top_logprobs or 0
 
     if not body.stream:
         output = (await serving.final_outputs(engine, [prompt], params, request_id, http_request))[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, num_top), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, called = plan.message(c.text, engine.tokenizer)
+            choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, num_top),
+                            "finish_reason": plan.finish_reason(c.finish_reason, called), "stop_reason": c.stop_reason})
         return {**header, "choices": choices, "usage": usage([output])}
 
+    streamers = {}  # choice index -> its ToolCallStreamer
+
     def choice(index: int, completion, text: str, start: int) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": chat_logprobs(completion, num_top, start), "finish_reason": completion.finish_reason}
+        streamer = streamers.setdefault(index, plan.streamer(engine.tokenizer))
+        finished = completion.finish_reason is not None
+        delta = streamer.delta(text, completion.text[:len(completion.text) - len(text)], completion.text, finished)
+        return {"index": index, "delta": delta, "logprobs": chat_logprobs(completion, num_top, start),
+                "finish_reason": plan.finish_reason(completion.finish_reason, streamer.called)}
 
     roles = [{"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}]} for i in range(params.n)]

@@ -57,7 +57,7 @@ async def completions(body: CompletionRequest, http_request: Request, serving: O
         raise APIError("logprobs must be at most 5 for completions", 400, "logprobs")
     params = body.sampling_params(body.max_tokens, body.logprobs, 16)
     prompts = await serving.tokenized(engine, completion_prompts(body.prompt))
-    serving.validate(engine, prompts, params)
+    await serving.validate_off_loop(engine, prompts, params)
     request_id = random_id("cmpl")
     header = {"id": request_id, "object": "text_completion", "created": now(), "model": serving.model_name}
 

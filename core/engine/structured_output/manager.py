@@ -1,0 +1,114 @@
+"""StructuredOutputManager: the engine core's side of structured outputs.
+
+It picks the backend plugin when the first constrained request arrives, compiles each distinct constraint
+once on a worker thread (the busy loop never waits for a compile: a request whose grammar is not ready stays
+in the waiting queue while the others run), gives each request its matcher, and packs the allowed-token
+bitmask of a step's constrained rows.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from engine.interfaces.structured_output import StructuredOutputGrammar, bitmask_words
+
+if TYPE_CHECKING:
+    from engine.config import VllmConfig
+    from engine.model.model_info import ModelInfo
+    from engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 1024
+
+
+class StructuredOutputRequest:
+    """A request's constraint: its compile (shared with every request of the same constraint) and its matcher."""
+
+    def __init__(self, params: "StructuredOutputsParams", compiled: Future, manager: "StructuredOutputManager"):
+        self.params = params
+        self.compiled = compiled
+        self.manager = manager
+        self.grammar: Optional[StructuredOutputGrammar] = None
+        self.error: Optional[str] = None
+
+    def is_ready(self) -> bool:
+        """Whether the compile has ended (then ``grammar`` or ``error`` is set); never blocks."""
+        if self.grammar is not None or self.error is not None:
+            return True
+        if not self.compiled.done():
+            return False
+        exc = self.compiled.exception()
+        if exc is not None:
+            self.error = f"structured output ({self.params.kind}) failed to compile: {type(exc).__name__}: {exc}"
+        else:
+            self.grammar = self.manager.backend.new_matcher(self.compiled.result())
+        return True
+
+
+class StructuredOutputManager:
+    """Backend, compile thread, compiled-grammar cache and bitmask packing for one engine core."""
+
+    def __init__(self, vllm_config: "VllmConfig", model_info: "ModelInfo"):
+        self.vllm_config = vllm_config
+        self.model_info = model_info
+        self.vocab_size = model_info.vocab_size
+        self.backend = None
+        self._compiler: Optional[ThreadPoolExecutor] = None
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compile_seconds: list[float] = []  # each finished compile's time (benchmarks report it)
+
+    def _init_backend(self) -> None:
+        from engine.interfaces.base import SelectionContext
+        from engine.model.tokenizer import get_tokenizer
+        from engine.plugins import get_plugin_manager
+
+        requested = self.vllm_config.structured_outputs.backend
+        impl = get_plugin_manager().select("structured_output", requested,
+                                           SelectionContext(self.vllm_config, self.model_info))
+        tokenizer = get_tokenizer(self.model_info)
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_info.eos_token_id
+        self.backend = impl.create(self.vllm_config, tokenizer, self.vocab_size, eos)
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        logger.info("structured outputs: backend %s from %s", impl.name, impl.source)
+
+    def request(self, params: "StructuredOutputsParams") -> StructuredOutputRequest:
+        """A request's constraint, its compile started (or found in the cache). Raises ConfigError when no
+        backend can run here."""
+        if self.backend is None:
+            self._init_backend()
+        key = (params.kind, params.spec())
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._cache.move_to_end(key)
+            else:
+                future = self._compiler.submit(self._compile, params)
+                self._cache[key] = future
+                while len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+        return StructuredOutputRequest(params, future, self)
+
+    def _compile(self, params: "StructuredOutputsParams") -> Any:
+        start = time.perf_counter()
+        compiled = self.backend.compile_grammar(params)
+        self.compile_seconds.append(time.perf_counter() - start)
+        return compiled
+
+    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar]) -> np.ndarray:
+        """[len(grammars), words] int32: row i holds the tokens that grammar i allows next."""
+        bitmask = np.full((len(grammars), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
+        for row, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, row)
+        return bitmask
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)

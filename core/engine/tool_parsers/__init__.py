@@ -1,0 +1,1 @@
+"""Built-in tool-call parsers (the ``tool_parser`` plugin kind)."""

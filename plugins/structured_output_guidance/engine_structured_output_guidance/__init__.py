@@ -1,0 +1,1 @@
+"""engine plugin: the guidance (llguidance) structured-output backend."""

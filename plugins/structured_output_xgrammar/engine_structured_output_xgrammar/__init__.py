@@ -1,0 +1,1 @@
+"""engine plugin: the xgrammar structured-output backend."""
