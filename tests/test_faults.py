@@ -487,10 +487,12 @@ def test_sigterm_under_load_ends_each_stream_with_an_error_event(pressure_server
     results = {}
 
     def load():
+        # 32 streams of 480 tokens in 48 KV blocks (one full-length stream fits at a time): far more work than the
+        # 1.5 s + 4 s grace period, even on a fast AVX-512 machine (12 streams all finished in time there)
         async def run():
             return await asyncio.gather(*(read_stream(pressure_server.url, {"prompt": f"long {i}", "max_tokens": 480,
                                                                             "ignore_eos": True}, timeout=30)
-                                          for i in range(12)), return_exceptions=True)
+                                          for i in range(32)), return_exceptions=True)
         results["streams"] = asyncio.run(run())
 
     loader = threading.Thread(target=load)
