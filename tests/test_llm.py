@@ -116,3 +116,23 @@ def test_bad_prompts_are_rejected_and_nothing_leaks(llm, prompt, message):
 def test_sampling_params_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**kwargs)
+
+
+def test_a_shut_down_llm_is_collected_with_its_weights(tiny_llama):
+    """The engine freezes its start-up heap out of the garbage collector's sight (as vLLM does); shutting it
+    down must undo that, or every LLM built and dropped in a long-lived process keeps its weights for good."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=128)
+    llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2), use_tqdm=False)
+    model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    weights = weakref.ref(next(model.parameters()))
+    engine = weakref.ref(llm.llm_engine)
+    del model
+    llm.shutdown()
+    del llm
+    gc.collect()
+    assert engine() is None, "the shut-down engine is still alive"
+    assert weights() is None, "the shut-down engine's weights are still alive"
+    assert gc.get_freeze_count() == 0

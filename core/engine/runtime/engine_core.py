@@ -15,7 +15,7 @@ from engine.kv_cache.spec import make_kv_cache_config
 from engine.model.model_info import ModelInfo, resolve_model
 from engine.plugins import get_plugin_manager
 from engine.runtime.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from engine.runtime.lifetime import freeze_gc_heap
+from engine.runtime.lifetime import freeze_gc_heap, release_gc_heap
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler
@@ -212,3 +212,4 @@ class EngineCore:
         if self.exec_thread is not None:
             self.exec_thread.shutdown(wait=True)
         self.executor.shutdown()
+        release_gc_heap()

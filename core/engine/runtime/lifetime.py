@@ -31,6 +31,17 @@ def freeze_gc_heap() -> None:
     gc.freeze()
 
 
+def release_gc_heap() -> None:
+    """Undo ``freeze_gc_heap`` when an engine shuts down, then collect: frozen objects are never collected, so
+    an engine dropped in a long-lived process (a notebook, a test run, a server that rebuilds its engine) would
+    otherwise keep its model's reference cycles, and their tensors, for good. Another engine still alive in
+    the same process loses its freeze too; that costs it only the time of full collections, never memory."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()
+
+
 def watch_parent(parent_pid: int, name: str, cleanup: Optional[Callable[[], None]] = None) -> threading.Thread:
     """Start a daemon thread that ends this process when ``parent_pid`` is no longer its parent.
 

@@ -9,7 +9,7 @@ from engine.config import VllmConfig
 from engine.outputs import RequestOutput
 from engine.runtime.core_client import EngineCoreClient, make_client
 from engine.runtime.input_processor import PromptType, build_front_end
-from engine.runtime.lifetime import freeze_gc_heap, use_thread_lock_for_progress_bars
+from engine.runtime.lifetime import freeze_gc_heap, release_gc_heap, use_thread_lock_for_progress_bars
 from engine.sampling_params import SamplingParams
 from engine.runtime.messages import SchedulerStats
 
@@ -58,3 +58,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        release_gc_heap()

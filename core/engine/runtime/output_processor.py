@@ -76,9 +76,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.sequences: dict[str, SequenceState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # per instance: an lru_cache on the method would be one cache for the class, keeping every processor
+        # (and its tokenizer) alive for the life of the process
+        self.decode_token = functools.lru_cache(maxsize=65536)(self._decode_token)
 
-    @functools.lru_cache(maxsize=65536)
-    def decode_token(self, token_id: int) -> Optional[str]:
+    def _decode_token(self, token_id: int) -> Optional[str]:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
