@@ -65,6 +65,22 @@ def plugin_env(tmp_path_factory) -> dict:
     return install_fixture_plugins(tmp_path_factory, "engine_toy_plugin", "engine_future_plugin")
 
 
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """The oracle fixture proposer installed as a third-party distribution, visible here and to worker processes."""
+    from engine.plugins import get_plugin_manager
+    from tests.helpers import install_fixture_plugins
+
+    env = install_fixture_plugins(tmp_path_factory, "engine_oracle_plugin")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    patch.syspath_prepend(env["PYTHONPATH"].split(os.pathsep)[0])
+    get_plugin_manager.cache_clear()
+    yield tmp_path_factory.mktemp("oracle")
+    patch.undo()
+    get_plugin_manager.cache_clear()
+
+
 def _resident_set_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

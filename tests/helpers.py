@@ -1,6 +1,7 @@
 """Shared test helpers: transformers references, random prompts, pool checks."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -11,7 +12,8 @@ import httpx
 
 from engine.testing.models import hf_greedy, random_prompts
 
-__all__ = ["Server", "assert_all_blocks_free", "free_port", "hf_greedy", "install_fixture_plugins", "random_prompts"]
+__all__ = ["Server", "assert_all_blocks_free", "free_port", "hf_greedy", "install_fixture_plugins", "oracle_spec_config",
+           "random_prompts"]
 
 
 def assert_all_blocks_free(llm) -> None:
@@ -93,3 +95,12 @@ class Server:
             self.proc.kill()
             self.proc.wait(10)
         self.log.close()
+
+
+def oracle_spec_config(folder, reference: dict, k: int = 4, corrupt_every: int = 3) -> dict:
+    """The ``speculative`` setting of the oracle fixture proposer (the ``oracle`` fixture) drafting ``reference``
+    (prompt token ids joined by commas -> output token ids), one draft made wrong every ``corrupt_every``."""
+    path = folder / f"reference-{len(reference)}-{abs(hash(json.dumps(reference, sort_keys=True)))}.json"
+    path.write_text(json.dumps(reference))
+    return {"method": "oracle", "num_speculative_tokens": k,
+            "options": {"reference": str(path), "corrupt_every": corrupt_every}}

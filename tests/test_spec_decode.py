@@ -11,9 +11,6 @@ The sceptic's questions, each a test:
 """
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -21,13 +18,12 @@ from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, VllmConfig
-from engine.plugins import get_plugin_manager
 from engine.spec_decode.dynamic import SpeculationPolicy
 from engine.spec_decode.ngram import find_ngram_continuation
 from engine.spec_decode.rejection_sampler import rejection_sample
 from engine.spec_decode.suffix_tree import SuffixTrie, draft_from
 from engine.testing.models import random_prompts
-from tests.helpers import assert_all_blocks_free, install_fixture_plugins
+from tests.helpers import assert_all_blocks_free, oracle_spec_config
 
 COMMON = dict(kv_cache_memory="64MiB", layer_kernels="native", attention="torch")
 
@@ -99,19 +95,6 @@ def test_suffix_trie_counts_forgets_and_drafts_the_frequent_continuation():
 
 
 # ---- whole engines --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def oracle(tmp_path_factory):
-    """The oracle fixture proposer installed as a third-party distribution, visible here and to worker processes."""
-    env = install_fixture_plugins(tmp_path_factory, "engine_oracle_plugin")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("PYTHONPATH", env["PYTHONPATH"])
-    patch.syspath_prepend(env["PYTHONPATH"].split(os.pathsep)[0])
-    get_plugin_manager.cache_clear()
-    yield tmp_path_factory.mktemp("oracle")
-    patch.undo()
-    get_plugin_manager.cache_clear()
-
-
 def _run(model, prompts, params, **settings):
     llm = LLM(model=model, **COMMON, **settings)
     try:
@@ -121,13 +104,6 @@ def _run(model, prompts, params, **settings):
     finally:
         llm.shutdown()
     return outputs, stats
-
-
-def _oracle_config(folder, reference: dict, k: int = 4, corrupt_every: int = 3) -> dict:
-    path = folder / f"reference-{len(reference)}-{abs(hash(json.dumps(reference, sort_keys=True)))}.json"
-    path.write_text(json.dumps(reference))
-    return {"method": "oracle", "num_speculative_tokens": k,
-            "options": {"reference": str(path), "corrupt_every": corrupt_every}}
 
 
 def _greedy_params(count, max_tokens=40, **extra):
@@ -159,7 +135,7 @@ def test_greedy_tokens_equal_plain_decoding_with_drafts_accepted_and_rejected(ti
     prompts = random_prompts(6, (5, 40), seed=5, vocab=(100, 1000))
     params = _greedy_params(len(prompts))
     reference, _ = _run(tiny_llama, prompts, params, **settings)
-    spec = _oracle_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}, k)
+    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}, k)
     outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec, **settings)
     _assert_same(outputs, reference)
     counters = stats.spec_decoding
@@ -187,7 +163,7 @@ def test_prefix_hits_stop_conditions_and_logits_processors_stay_exact(tiny_llama
                              logit_bias={reference[3].outputs[0].token_ids[2]: -50.0})]
     expected, _ = _run(tiny_llama, prompts, params)
     assert expected[1].outputs[0].finish_reason == "stop" and len(expected[1].outputs[0].token_ids) == stops_at
-    spec = _oracle_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)},
+    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)},
                           corrupt_every=4)
     outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec)
     _assert_same(outputs, expected)
@@ -197,7 +173,7 @@ def test_prefix_hits_stop_conditions_and_logits_processors_stay_exact(tiny_llama
 def test_seeded_sampling_with_drafts_does_not_depend_on_the_batch(tiny_llama, oracle):
     prompts = random_prompts(5, (5, 30), seed=3, vocab=(100, 1000))
     greedy, _ = _run(tiny_llama, prompts, _greedy_params(5))
-    spec = _oracle_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, greedy)})
+    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, greedy)})
     # a low temperature keeps the samples close to the reference, so drafts get accepted as well as rejected
     seeded = [SamplingParams(temperature=0.05, seed=100 + i, max_tokens=30, ignore_eos=True) for i in range(5)]
     together, stats = _run(tiny_llama, prompts, seeded, speculative_config=spec)
@@ -224,7 +200,7 @@ def test_builtin_proposers_give_the_plain_greedy_tokens(make_tiny_model, method)
 def test_aborted_requests_with_drafts_in_flight_return_their_blocks(tiny_llama, oracle):
     prompts = random_prompts(3, (5, 20), seed=4, vocab=(100, 1000))
     reference, _ = _run(tiny_llama, prompts, _greedy_params(3, max_tokens=60))
-    spec = _oracle_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)})
+    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)})
     llm = LLM(model=tiny_llama, speculative_config=spec, **COMMON)
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
@@ -249,7 +225,7 @@ def test_tensor_parallel_ranks_verify_rank_zeros_drafts(tiny_llama, oracle):
     prompts = random_prompts(4, (5, 30), seed=6, vocab=(100, 1000))
     params = _greedy_params(4, max_tokens=24)
     reference, _ = _run(tiny_llama, prompts, params)
-    spec = _oracle_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)})
+    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)})
     outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec, tensor_parallel_size=2,
                           num_threads=1)
     _assert_same(outputs, reference)

@@ -10,11 +10,12 @@ import threading
 import types
 
 import jsonschema
+import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputsParams, hookimpl
 from engine.errors import InvalidParameterError
-from tests.helpers import assert_all_blocks_free
+from tests.helpers import assert_all_blocks_free, oracle_spec_config, random_prompts
 
 BACKENDS = [pytest.param("xgrammar"),
             pytest.param("guidance", marks=pytest.mark.skipif(
@@ -305,3 +306,75 @@ def test_aborting_a_request_whose_grammar_compiles_frees_it(gated_llm):
     for _ in range(5):
         engine.step()
     assert_all_blocks_free(gated_llm)
+
+
+# ---- speculative decoding: drafts checked against the grammar, one bitmask row per position ---------------
+def allowed(bitmask: np.ndarray, row: int, token_id: int) -> bool:
+    return bool((int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matchers_check_drafts_and_give_a_bitmask_row_per_draft(tiny_llama, backend):
+    """A request's drafts are cut at the first token its grammar refuses, without moving its matcher; the bitmask
+    gives draft position i the tokens allowed after the first i drafts; the matcher ends where it started."""
+    from engine.config import VllmConfig
+    from engine.model.model_info import resolve_model
+    from engine.model.tokenizer import get_tokenizer
+    from engine.structured_output.manager import StructuredOutputManager
+
+    config = VllmConfig.load(model=tiny_llama, structured_outputs_backend=backend)
+    info = resolve_model(config.model)
+    manager = StructuredOutputManager(config, info)
+    try:
+        first, second = (manager.request(StructuredOutputsParams(regex=r"(ab|cd){1,3}x")) for _ in range(2))
+        first.compiled.result(timeout=60)
+        assert first.is_ready() and second.is_ready() and first.grammar is not None
+        tokenizer = get_tokenizer(info)
+        a, b, c, d, x, q = (tokenizer.convert_tokens_to_ids(char) for char in "abcdxq")
+        grammar = first.grammar
+        assert grammar.validate_tokens([a, b, c, d, x, a]) == [a, b, c, d, x]
+        assert grammar.validate_tokens([a, c, d]) == [a]
+        assert grammar.validate_tokens([q, a]) == []
+        bitmask = manager.grammar_bitmask([(grammar, [a, b, c]), (second.grammar, [])])
+        assert bitmask.shape[0] == 5
+        expected = [{a, c}, {b}, {a, c, x}, {d}, {a, c}]  # before any draft, after a, ab, abc; the second request
+        for row, tokens in enumerate(expected):
+            assert {t for t in (a, b, c, d, x, q) if allowed(bitmask, row, t)} == tokens, row
+        # the matchers did not move: the same rows again, and the first token still decides
+        assert (manager.grammar_bitmask([(grammar, [a, b, c])]) == bitmask[:4]).all()
+        assert grammar.accept_tokens([c]) and not grammar.accept_tokens([c])
+    finally:
+        manager.shutdown()
+
+
+def test_drafts_are_verified_against_the_grammar(tiny_llama, oracle):
+    """Constrained requests speculate too: the oracle proposer drafts each request's constrained greedy output
+    (one draft in three made wrong), and greedy decoding with drafts gives the same tokens; the drafts the
+    grammar allows are run and most are accepted, which only happens if every draft position is masked with
+    its own bitmask row."""
+    regex = r"(ab|cd|ef|gh){3,25}x"
+    prompts = random_prompts(4, (5, 30), seed=11, vocab=(100, 1000))
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(regex=regex)),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 2
+    common = dict(dtype="float32", kv_cache_memory="32MiB", max_model_len=256)
+    llm = LLM(tiny_llama, **common)
+    try:
+        reference = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids
+                                       for p, o in zip(prompts, reference)})
+    llm = LLM(tiny_llama, speculative_config=spec, **common)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        counters = llm.get_stats().spec_decoding
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+    for out, ref in zip(outputs, reference):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    for out in outputs[::2]:
+        assert re.fullmatch(regex, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+    assert counters.num_draft_tokens > 40
+    assert counters.num_accepted_tokens > 0.7 * counters.num_draft_tokens

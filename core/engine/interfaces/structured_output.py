@@ -5,7 +5,9 @@ compiled grammar that the engine caches per distinct constraint, and makes one `
 (a matcher) per request from it. Every step the scheduler asks each constrained request's matcher for the
 tokens allowed next (a row of a packed int32 bitmask: bit ``t % 32`` of word ``t // 32`` set when token ``t``
 may follow); the model runner masks the other tokens' logits before sampling; the sampled tokens are then fed
-back with ``accept_tokens``.
+back with ``accept_tokens``. With speculative decoding a request's drafts are first cut to the prefix its grammar
+allows (``validate_tokens``), and it gets one bitmask row per position: the matcher accepts each draft to fill
+the next row, then ``rollback`` returns it to where it stood.
 """
 from __future__ import annotations
 
@@ -44,6 +46,18 @@ class StructuredOutputGrammar(ABC):
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of ``token_ids`` the grammar allows from here, without advancing (a backend with a
+        native check overrides this; the default accepts them one by one and rolls back)."""
+        num_valid = 0
+        for token_id in token_ids:
+            if self.is_terminated() or not self.accept_tokens([token_id]):
+                break
+            num_valid += 1
+        if num_valid:
+            self.rollback(num_valid)
+        return token_ids[:num_valid]
 
 
 class StructuredOutputBackend(Pluggable):

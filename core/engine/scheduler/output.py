@@ -41,8 +41,9 @@ class SchedulerOutput(msgspec.Struct):
     finished_req_ids: list[str]  # finished, aborted or preempted since the last step: workers drop them
     # draft tokens to verify, by request: they follow its known tokens and count in num_scheduled_tokens
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-    # structured outputs: the constrained requests that sample this step -> their row of grammar_bitmask, an
-    # int32 numpy array [rows, ceil(vocab / 32)] of the tokens each may sample (bit t % 32 of word t // 32)
+    # structured outputs: the constrained requests that sample this step -> their first row of grammar_bitmask,
+    # an int32 numpy array [rows, ceil(vocab / 32)] of the tokens each may sample (bit t % 32 of word t // 32);
+    # a request with drafts owns 1 + len(drafts) consecutive rows, one per position it samples
     structured_output_request_ids: dict[str, int] = {}
     grammar_bitmask: Optional[Any] = None
 

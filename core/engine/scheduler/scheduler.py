@@ -142,11 +142,13 @@ class Scheduler:
                 req_index += 1  # its matcher has not seen the token in flight: the next bitmask must wait for it
                 continue
             num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            drafts = request.spec_token_ids if use_drafts and not constrained else []
+            drafts = request.spec_token_ids if use_drafts else []
             # a draft's slot is a position past the known tokens; after all are accepted one more token follows
             drafts = drafts[:max(0, self.max_model_len - request.num_tokens - 1)]
             if drafts and request.sampling_params.max_tokens is not None:
                 drafts = drafts[:max(0, request.sampling_params.max_tokens - request.num_output_tokens - 1)]
+            if drafts and constrained:
+                drafts = self._drafts_the_grammar_allows(request, drafts)
             num_new = min(num_known + len(drafts), token_budget, self.max_model_len - request.num_computed_tokens)
             if self._reached_max_tokens(request):
                 num_new = 0  # in-flight steps already produce its last token
@@ -238,19 +240,30 @@ class Scheduler:
         return output
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """The allowed-token bitmask of every constrained request that samples in this step."""
-        rows: dict[str, int] = {}
-        grammars = []
+        """The allowed-token bitmask of every constrained request that samples in this step: its first row, then
+        one more per speculative draft (the runner masks the logits row of draft position i with row first + i)."""
+        first_rows: dict[str, int] = {}
+        rows = []
+        num_rows = 0
         for req_id in output.num_scheduled_tokens:
             request = self.requests[req_id]
             constraint = request.structured_output_request
             if constraint is None or constraint.grammar is None or request.num_computed_tokens < request.num_tokens:
                 continue  # unconstrained, or a prefill chunk that samples nothing
-            rows[req_id] = len(grammars)
-            grammars.append(constraint.grammar)
-        if grammars:
-            output.structured_output_request_ids = rows
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(grammars)
+            drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
+            first_rows[req_id] = num_rows
+            rows.append((constraint.grammar, drafts))
+            num_rows += 1 + len(drafts)
+        if rows:
+            output.structured_output_request_ids = first_rows
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(rows)
+
+    @staticmethod
+    def _drafts_the_grammar_allows(request: Request, drafts: list[int]) -> list[int]:
+        """A constrained request verifies only the drafts its grammar accepts: the first refused one and those
+        after it could never be kept (the target's token there is masked to the grammar), so they are not run."""
+        grammar = request.structured_output_request.grammar
+        return grammar.validate_tokens(list(drafts)) if grammar is not None else []
 
     def num_waiting_for_grammar(self) -> int:
         """Waiting requests whose constraint is still compiling."""

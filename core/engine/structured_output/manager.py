@@ -102,11 +102,26 @@ class StructuredOutputManager:
         self.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
-    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar]) -> np.ndarray:
-        """[len(grammars), words] int32: row i holds the tokens that grammar i allows next."""
-        bitmask = np.full((len(grammars), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
-        for row, grammar in enumerate(grammars):
+    def grammar_bitmask(self, rows: list[tuple[StructuredOutputGrammar, list[int]]]) -> np.ndarray:
+        """The allowed-token bitmask of one step, [sum(1 + len(drafts)), words] int32. Each (grammar, drafts)
+        entry takes 1 + len(drafts) consecutive rows: the tokens its grammar allows next, then after each of its
+        speculative drafts (the drafts are ones the grammar allows: see ``validate_tokens``). The matcher
+        accepts the drafts to fill those rows and is rolled back after, so it ends where it started."""
+        bitmask = np.full((sum(1 + len(drafts) for _, drafts in rows), bitmask_words(self.vocab_size)), -1,
+                          dtype=np.int32)
+        row = 0
+        for grammar, drafts in rows:
             grammar.fill_bitmask(bitmask, row)
+            num_accepted = 0
+            for draft in drafts:
+                row += 1
+                if not grammar.is_terminated() and grammar.accept_tokens([draft]):
+                    num_accepted += 1
+                    if not grammar.is_terminated():  # past its end the request stops: that row is never used
+                        grammar.fill_bitmask(bitmask, row)
+            if num_accepted:
+                grammar.rollback(num_accepted)
+            row += 1
         return bitmask
 
     def shutdown(self) -> None:

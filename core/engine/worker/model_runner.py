@@ -254,16 +254,17 @@ class ModelRunner:
 
     @staticmethod
     def _apply_grammar_bitmask(logits: torch.Tensor, scheduler_output: SchedulerOutput, req_ids: list[str],
-                               position_rows: np.ndarray) -> None:
+                               position_rows: np.ndarray, offsets: Optional[np.ndarray]) -> None:
         """Structured outputs: -inf for the tokens a constrained row's grammar does not allow (only those rows
-        are touched; tokens past the bitmask's vocabulary are never allowed)."""
-        mask_row_of = scheduler_output.structured_output_request_ids
+        are touched; tokens past the bitmask's vocabulary are never allowed). A request's logits row at draft
+        offset i takes bitmask row first + i (its grammar after accepting the first i drafts)."""
+        first_row_of = scheduler_output.structured_output_request_ids
         logit_rows, mask_rows = [], []
         for index, row in enumerate(position_rows.tolist()):
-            mask_row = mask_row_of.get(req_ids[row])
-            if mask_row is not None:
+            first_row = first_row_of.get(req_ids[row])
+            if first_row is not None:
                 logit_rows.append(index)
-                mask_rows.append(mask_row)
+                mask_rows.append(first_row + (int(offsets[index]) if offsets is not None else 0))
         if not logit_rows:
             return
         words = torch.from_numpy(np.ascontiguousarray(scheduler_output.grammar_bitmask[mask_rows]))
@@ -325,7 +326,7 @@ class ModelRunner:
         raw_logprobs = logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1).cpu() if len(wants_logprobs) else None
         self._apply_logits_processors(logits, position_rows, offsets)
         if scheduler_output.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, scheduler_output, req_ids, position_rows)
+            self._apply_grammar_bitmask(logits, scheduler_output, req_ids, position_rows, offsets)
         sampling_metadata = self._sampling_metadata(position_rows, offsets)
         if speculating:
             emitted = self._verify_drafts(logits, sampling_metadata, position_rows, offsets, sampling_rows, num_drafts,

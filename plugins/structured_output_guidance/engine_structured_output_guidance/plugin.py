@@ -71,6 +71,9 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        return token_ids[:self.matcher.validate_tokens(token_ids)]  # llguidance checks without advancing
+
 
 class GuidanceBackend(StructuredOutputBackend):
     """llguidance (https://github.com/guidance-ai/llguidance): Lark grammars, and JSON schemas with a broad
