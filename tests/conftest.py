@@ -88,11 +88,10 @@ def _resident_set_bytes() -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def release_module_memory(request):
-    """After each module (its own fixtures are torn down first): collect garbage and hand freed heap back.
-
-    The suite runs ~800 tests in one process; engines built by module fixtures leave torch tensors and
-    glibc arenas behind, and without this the process grows past the memory of a small CI machine.
-    ``ENGINE_TEST_MEMLOG=<file>`` appends each module's resident size after the release.
+    """After each module (its own fixtures are torn down first): collect garbage and hand the freed heap back to
+    the system (glibc keeps freed arenas otherwise), so the one process of the suite stays small.
+    ``ENGINE_TEST_MEMLOG=<file>`` appends each module's resident size after the release: a leak shows as growth
+    from module to module (``test_a_shut_down_llm_is_collected_with_its_weights`` guards the known one).
     """
     yield
     import ctypes

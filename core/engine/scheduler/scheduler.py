@@ -147,8 +147,8 @@ class Scheduler:
             drafts = drafts[:max(0, self.max_model_len - request.num_tokens - 1)]
             if drafts and request.sampling_params.max_tokens is not None:
                 drafts = drafts[:max(0, request.sampling_params.max_tokens - request.num_output_tokens - 1)]
-            if drafts and constrained:
-                drafts = self._drafts_the_grammar_allows(request, drafts)
+            if drafts and constrained:  # a draft its grammar refuses, and those after it, could never be kept
+                drafts = request.structured_output_request.grammar.validate_tokens(drafts)
             num_new = min(num_known + len(drafts), token_budget, self.max_model_len - request.num_computed_tokens)
             if self._reached_max_tokens(request):
                 num_new = 0  # in-flight steps already produce its last token
@@ -257,13 +257,6 @@ class Scheduler:
         if rows:
             output.structured_output_request_ids = first_rows
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(rows)
-
-    @staticmethod
-    def _drafts_the_grammar_allows(request: Request, drafts: list[int]) -> list[int]:
-        """A constrained request verifies only the drafts its grammar accepts: the first refused one and those
-        after it could never be kept (the target's token there is masked to the grammar), so they are not run."""
-        grammar = request.structured_output_request.grammar
-        return grammar.validate_tokens(list(drafts)) if grammar is not None else []
 
     def num_waiting_for_grammar(self) -> int:
         """Waiting requests whose constraint is still compiling."""

@@ -114,14 +114,15 @@ class StructuredOutputManager:
             grammar.fill_bitmask(bitmask, row)
             num_accepted = 0
             for draft in drafts:
-                row += 1
-                if not grammar.is_terminated() and grammar.accept_tokens([draft]):
-                    num_accepted += 1
-                    if not grammar.is_terminated():  # past its end the request stops: that row is never used
-                        grammar.fill_bitmask(bitmask, row)
+                if grammar.is_terminated() or not grammar.accept_tokens([draft]):
+                    break  # a backend whose validate_tokens disagrees: the rows left allow every token, and a
+                    # token the grammar refuses then ends that request alone, with an error
+                num_accepted += 1
+                if not grammar.is_terminated():  # past its end the request stops: that row is never used
+                    grammar.fill_bitmask(bitmask, row + num_accepted)
             if num_accepted:
                 grammar.rollback(num_accepted)
-            row += 1
+            row += 1 + len(drafts)
         return bitmask
 
     def shutdown(self) -> None:
