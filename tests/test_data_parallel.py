@@ -246,6 +246,11 @@ def served_metrics(srv) -> tuple[str, dict]:
     return api, received
 
 
+def refused(srv) -> bool:
+    response = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
+    return response.status_code == 503 and response.json()["error"]["type"] == "EngineDeadError"
+
+
 def test_served_dp2_behind_two_api_servers_then_a_rank_dies(tiny_llama, dp_llm, hf_tiny_llama):
     """`engine serve --data-parallel-size 2 --api-server-count 2`: transformers' greedy tokens (as the offline DP
     run, checked against transformers), both API processes answer on the one port, both ranks serve; then one
@@ -278,8 +283,9 @@ def test_served_dp2_behind_two_api_servers_then_a_rank_dies(tiny_llama, dp_llm, 
 
         names["EngineCore_DP1"].kill()
         assert wait_until(lambda: httpx.get(srv.url + "/health", timeout=10).status_code == 503, 10)
-        response = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
-        assert response.status_code == 503 and response.json()["error"]["type"] == "EngineDeadError"
+        # each API server learns of the death on its own (one may answer 503 a moment before the other): within
+        # 10 s every one refuses; 16 in a row, each on a new connection, which the shared port hands to either
+        assert wait_until(lambda: all(refused(srv) for _ in range(16)), 10)
     finally:
         srv.stop()
     assert wait_until(lambda: alive(procs) == [], 15), alive(procs)
