@@ -4,6 +4,7 @@ on a shortened W1 workload (random prompts 32-512 tokens, outputs 32-256, temper
 usage: python scripts/attention_ab.py [--backends torch,triton,flash,flashinfer] [--requests 32] [--dtype bfloat16]
 Prints one JSON object; backends that cannot run here are listed with their reasons.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,21 +46,28 @@ def main() -> None:
             report["backends"][name] = {"available": False, "reasons": reasons}
             continue
         llm = LLM(attention=name, block_size=block_size, dtype=args.dtype, max_model_len=2048)
-        greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32),
-                                                               use_tqdm=False)]
+        greedy = [
+            o.outputs[0].token_ids
+            for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+        ]
         reference = reference or greedy
         llm.generate([requests[0][0]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests],
-                            [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for _, o in requests],
-                            use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p, _ in requests],
+            [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for _, o in requests],
+            use_tqdm=False,
+        )
         seconds = time.perf_counter() - start
         total = sum(len(p) + o for p, o in requests)
         report["backends"][name] = {
-            "available": True, "greedy_equal_to_first": greedy == reference,
+            "available": True,
+            "greedy_equal_to_first": greedy == reference,
             "greedy_prompts_equal": sum(a == b for a, b in zip(greedy, reference)),
-            "seconds": round(seconds, 3), "total_tokens_per_s": round(total / seconds, 1),
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+            "seconds": round(seconds, 3),
+            "total_tokens_per_s": round(total / seconds, 1),
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        }
         llm.shutdown()
     first = next((b for b in report["backends"].values() if b.get("available")), None)
     for entry in report["backends"].values():

@@ -3,6 +3,7 @@ shapes, alternating the two in one process; prints JSON, GFLOP/s per shape (best
 
     python scripts/bench_cpu_gemm.py              # rows: 2048 (a prompt chunk), 64, 16, 1 (decode steps)
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,13 @@ import torch
 from engine.model.layers.gemm import PackedLinear
 from engine_attention_cpu.gemm import CpuPackedLinear
 
-SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
-          "lm_head": (49152, 576)}
+SHAPES = {
+    "qkv_proj": (960, 576),
+    "o_proj": (576, 576),
+    "gate_up_proj": (3072, 576),
+    "down_proj": (576, 1536),
+    "lm_head": (49152, 576),
+}
 
 
 def gflops(product, x: torch.Tensor, flop: float, seconds: float = 0.5) -> float:
@@ -43,7 +49,8 @@ def main(rows=(2048, 64, 16, 1), rounds: int = 3) -> dict:
                     best[kind] = max(best[kind], gflops(product, x, flop))
             results[f"{name} {m}x{out_features}x{in_features}"] = {
                 **{f"{kind}_gflops": round(value, 1) for kind, value in best.items()},
-                "ratio": round(best["cpu"] / best["onednn"], 2)}
+                "ratio": round(best["cpu"] / best["onednn"], 2),
+            }
     return {"threads": torch.get_num_threads(), "shapes": results}
 
 

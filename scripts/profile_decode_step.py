@@ -15,6 +15,7 @@ decode step where the layer kernels made one (``--enforce-eager`` to time the ea
 
 Run it against another checkout of the engine with PYTHONPATH=<checkout>/core to compare before/after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,9 @@ import json
 import statistics
 import time
 
-from engine import LLM, SamplingParams  # before torch: engine sets OMP_WAIT_POLICY=PASSIVE for OpenMP's start-up
-
 import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # before torch: engine sets OMP_WAIT_POLICY=PASSIVE for OpenMP's start-up
 
 
 class Timer:
@@ -46,15 +47,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seeded", action="store_true", help="give every request its own seed")
-    parser.add_argument("--penalties", action="store_true",
-                        help="every request asks for presence and repetition penalties (a logits processor)")
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every request asks for presence and repetition penalties (a logits processor)",
+    )
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="time the eager model, not the captured step")
     parser.add_argument("--steps-json", help="also write every measured step")
     args = parser.parse_args()
 
-    llm = LLM(dtype=args.dtype, max_num_seqs=max(256, args.num_requests), quantization=args.quantization,
-              enforce_eager=args.enforce_eager)
+    llm = LLM(
+        dtype=args.dtype,
+        max_num_seqs=max(256, args.num_requests),
+        quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
+    )
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     steps: list[dict] = []
     current: dict = {}
@@ -72,12 +80,22 @@ def main() -> None:
         start = time.perf_counter()
         output = execute(scheduler_output)
         total = time.perf_counter() - start
-        decode = len(scheduler_output.num_scheduled_tokens) == args.num_requests and \
-            scheduler_output.total_num_scheduled_tokens == args.num_requests
+        decode = (
+            len(scheduler_output.num_scheduled_tokens) == args.num_requests
+            and scheduler_output.total_num_scheduled_tokens == args.num_requests
+        )
         if decode:
             inside = current.get("model", 0) + current.get("logits", 0) + current.get("sampler", 0)
-            steps.append({"total": total, **current, "runner_python": total - inside, "schedule": schedule_time,
-                          "update": None, "step_id": id(scheduler_output)})
+            steps.append(
+                {
+                    "total": total,
+                    **current,
+                    "runner_python": total - inside,
+                    "schedule": schedule_time,
+                    "update": None,
+                    "step_id": id(scheduler_output),
+                }
+            )
         return output
 
     runner.execute_model = timed_execute
@@ -99,19 +117,30 @@ def main() -> None:
 
     scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
     generator = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(100, 20000, (128,), generator=generator).tolist()}
-               for _ in range(args.num_requests)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(100, 20000, (128,), generator=generator).tolist()}
+        for _ in range(args.num_requests)
+    ]
     extra = dict(presence_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
-    params = [SamplingParams(temperature=0.6, max_tokens=128, ignore_eos=True, seed=i if args.seeded else None, **extra)
-              for i in range(args.num_requests)]
+    params = [
+        SamplingParams(temperature=0.6, max_tokens=128, ignore_eos=True, seed=i if args.seeded else None, **extra)
+        for i in range(args.num_requests)
+    ]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     steps.clear()
     llm.generate(prompts, params, use_tqdm=False)
     keys = ["total", "model", "logits", "sampler", "runner_python", "schedule", "update"]
     summary = {key: round(statistics.median(s.get(key) or 0.0 for s in steps) * 1e3, 3) for key in keys}
-    summary.update(decode_steps=len(steps), captured_steps=runner.num_captured_steps, dtype=args.dtype,
-                   quantization=args.quantization, seeded=args.seeded, penalties=args.penalties, threads=torch.get_num_threads(),
-                   isa=torch.backends.cpu.get_cpu_capability())
+    summary.update(
+        decode_steps=len(steps),
+        captured_steps=runner.num_captured_steps,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        seeded=args.seeded,
+        penalties=args.penalties,
+        threads=torch.get_num_threads(),
+        isa=torch.backends.cpu.get_cpu_capability(),
+    )
     print(json.dumps(summary))
     if args.steps_json:
         with open(args.steps_json, "w") as f:

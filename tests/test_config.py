@@ -1,4 +1,5 @@
 """VllmConfig: precedence, flat keys, and errors that name the key and the choices."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,10 @@ def test_defaults():
 
 def test_precedence_defaults_yaml_env_kwargs(tmp_path, monkeypatch):
     path = tmp_path / "deploy.yaml"
-    path.write_text("cache:\n  block_size: 32\n  kv_cache_memory: 1GiB\nscheduler:\n  max_num_seqs: 7\n"
-                    "attention:\n  backend: torch\n  options: {foo: 1}\n")
+    path.write_text(
+        "cache:\n  block_size: 32\n  kv_cache_memory: 1GiB\nscheduler:\n  max_num_seqs: 7\n"
+        "attention:\n  backend: torch\n  options: {foo: 1}\n"
+    )
     config = VllmConfig.load(path)
     assert (config.cache.block_size, config.scheduler.max_num_seqs, config.attention.backend) == (32, 7, "torch")
     assert config.cache.kv_cache_memory == 2**30 and config.attention.options == {"foo": 1}
@@ -44,14 +47,17 @@ def test_yaml_may_use_flat_keys(tmp_path):
     assert config.scheduler.max_num_batched_tokens == 128 and config.attention.backend == "torch"
 
 
-@pytest.mark.parametrize("kwargs, expected", [
-    ({"max_num_batched_tokens": -5}, "scheduler.max_num_batched_tokens"),
-    ({"block_size": 12}, "cache.block_size: Value error, must be one of (8, 16, 32, 64, 128, 256, 512)"),
-    ({"dtype": "float64"}, "'float32', 'bfloat16'"),
-    ({"kv_cache_memory": "lots"}, "cache.kv_cache_memory"),
-    ({"not_a_key": 1}, "unknown config key 'not_a_key'"),
-    ({"cache": {"blocksize": 16}}, "cache.blocksize: unknown key; valid keys here: ['block_size'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"max_num_batched_tokens": -5}, "scheduler.max_num_batched_tokens"),
+        ({"block_size": 12}, "cache.block_size: Value error, must be one of (8, 16, 32, 64, 128, 256, 512)"),
+        ({"dtype": "float64"}, "'float32', 'bfloat16'"),
+        ({"kv_cache_memory": "lots"}, "cache.kv_cache_memory"),
+        ({"not_a_key": 1}, "unknown config key 'not_a_key'"),
+        ({"cache": {"blocksize": 16}}, "cache.blocksize: unknown key; valid keys here: ['block_size'"),
+    ],
+)
 def test_bad_values_name_the_key_and_choices(kwargs, expected):
     with pytest.raises(ConfigError) as info:
         VllmConfig.load(**kwargs)
@@ -68,8 +74,18 @@ def test_yaml_unknown_key_is_an_error(tmp_path):
 def test_cli_flags_override_the_file(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text("cache:\n  block_size: 32\nattention:\n  backend: torch\n")
-    args = build_parser().parse_args(["plugins", "--config", str(path), "--block-size", "64",
-                                      "--no-enable-prefix-caching", "--attention-options", '{"x": 2}'])
+    args = build_parser().parse_args(
+        [
+            "plugins",
+            "--config",
+            str(path),
+            "--block-size",
+            "64",
+            "--no-enable-prefix-caching",
+            "--attention-options",
+            '{"x": 2}',
+        ]
+    )
     config = config_from_args(args)
     assert config.cache.block_size == 64 and config.attention.backend == "torch"
     assert config.cache.enable_prefix_caching is False and config.attention.options == {"x": 2}
@@ -86,4 +102,6 @@ def test_config_reference_is_current():
     from engine.config_docs import render_config_markdown
 
     committed = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
-    assert committed == render_config_markdown(), "docs/config.md is stale: run `engine config-docs --output docs/config.md`"
+    assert committed == render_config_markdown(), (
+        "docs/config.md is stale: run `engine config-docs --output docs/config.md`"
+    )

@@ -1,6 +1,7 @@
 """The C++ decode kernel of the ``cpu`` attention plugin against a plain softmax(qK^T)V, across the shapes
 its vector paths split on: query heads per KV head (chunks of 1-3), head sizes that take the 32-column,
 16-column and scalar paths, scattered blocks, sliding windows and soft-capping."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,8 +10,9 @@ import math
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("engine_attention_cpu._C") is None,
-                                reason="the cpu attention kernel is not built")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("engine_attention_cpu._C") is None, reason="the cpu attention kernel is not built"
+)
 
 
 def reference(q, keys, values, scale, cap):
@@ -39,7 +41,7 @@ def test_decode_kernel_matches_softmax_attention(num_heads, num_kv_heads, head_s
     table = torch.zeros(rows, int(blocks_per_row.max()), dtype=torch.int32)
     start = 0
     for row, count in enumerate(blocks_per_row.tolist()):
-        table[row, :count] = order[start:start + count]
+        table[row, :count] = order[start : start + count]
         start += count
     cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
     key_cache, value_cache = cache[0].transpose(1, 2), cache[1].transpose(1, 2)  # head-major, seen token-major

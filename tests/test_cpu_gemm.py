@@ -2,6 +2,7 @@
 register tile's edges (rows not a multiple of 6, columns not a multiple of 16, K split into chunks),
 with and without bias; rows independent of their batch and of the thread count; bfloat16
 activations, strided rows, empty batches, concurrent callers; and which weights the loader packs."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,8 +11,9 @@ import threading
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("engine_attention_cpu._gemm") is None,
-                                reason="the cpu GEMM is not built")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("engine_attention_cpu._gemm") is None, reason="the cpu GEMM is not built"
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def assert_float32_product(actual, x, weight, bias=None):
     """Within a float32 dot product's error bound: K roundings of terms no larger than |x| . |w|."""
     expected = reference(x, weight, bias)
     scale = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
-    bound = (x.shape[-1] + 2) * 2 ** -24 * scale + 1e-30
+    bound = (x.shape[-1] + 2) * 2**-24 * scale + 1e-30
     assert actual.dtype == torch.float32 and actual.shape == expected.shape
     excess = ((actual.double() - expected).abs() - bound).max().item() if actual.numel() else 0.0
     assert excess <= 0, f"max |diff| {(actual.double() - expected).abs().max().item():.3g} past the bound"
@@ -58,7 +60,7 @@ def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(cpu):
     batch = torch.randn(97, 1536, generator=gen)
     together = product(batch)
     for i in (0, 5, 6, 96):
-        assert torch.equal(product(batch[i:i + 1]), together[i:i + 1])
+        assert torch.equal(product(batch[i : i + 1]), together[i : i + 1])
     assert torch.equal(product(batch[40:53]), together[40:53])
     threads = torch.get_num_threads()
     try:

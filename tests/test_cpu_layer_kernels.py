@@ -1,6 +1,7 @@
 """The ``cpu`` LayerKernels (fused C++ RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE) against the
 built-in ``native`` torch ops, across dtypes, the 8-wide vector paths and their scalar tails, strided
 rows and in-place views of a fused QKV output; and how ``device.layer_kernels`` chooses them."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,8 +11,9 @@ import torch
 
 from engine.model.layers.native_kernels import NativeLayerKernels
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("engine_attention_cpu._layers") is None,
-                                reason="the cpu layer kernels are not built")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("engine_attention_cpu._layers") is None, reason="the cpu layer kernels are not built"
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = ["fp32", "bf16", "fp16"]
@@ -26,7 +28,7 @@ def cpu():
 
 
 def ulps(dtype) -> float:
-    return {torch.float32: 2 ** -23, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    return {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
 
 
 def assert_within_ulps(actual, expected, n):
@@ -119,13 +121,14 @@ def test_rotary_embedding_is_bit_identical_and_in_place(cpu, dtype, head_size, r
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype)
     q_size, kv_size = heads * head_size, kv_heads * head_size
-    expected_q, expected_k = NATIVE.rotary_embedding(positions, qkv[:, :q_size], qkv[:, q_size:q_size + kv_size],
-                                                     cos, sin, head_size)
-    value = qkv[:, q_size + kv_size:].clone()
-    q, k = cpu.rotary_embedding(positions, qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], cos, sin, head_size)
+    expected_q, expected_k = NATIVE.rotary_embedding(
+        positions, qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], cos, sin, head_size
+    )
+    value = qkv[:, q_size + kv_size :].clone()
+    q, k = cpu.rotary_embedding(positions, qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], cos, sin, head_size)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     assert q.data_ptr() == qkv.data_ptr()  # rotated inside the fused output
-    assert torch.equal(qkv[:, q_size + kv_size:], value)  # v untouched
+    assert torch.equal(qkv[:, q_size + kv_size :], value)  # v untouched
 
 
 def test_rotary_embedding_rejects_positions_past_the_table(cpu):
@@ -135,11 +138,35 @@ def test_rotary_embedding_rejects_positions_past_the_table(cpu):
         cpu.rotary_embedding(torch.tensor([3, 16]), q, k, cos, sin, 64)
 
 
-def test_inputs_the_kernels_do_not_take_go_to_the_native_ops(cpu):
-    x = torch.randn(3, 10, dtype=torch.float64)
-    torch.testing.assert_close(cpu.silu_and_mul(x), NATIVE.silu_and_mul(x), rtol=0, atol=0)
-    torch.testing.assert_close(cpu.rms_norm(x, torch.ones(10, dtype=torch.float64), 1e-6),
-                               NATIVE.rms_norm(x, torch.ones(10, dtype=torch.float64), 1e-6), rtol=0, atol=0)
+class RecordedOps:
+    """The C++ ops module, recording which ops are called."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return op(*args, **kwargs)
+
+        return call
+
+
+def test_inputs_the_kernels_do_not_take_go_to_the_native_ops():
+    from engine_attention_cpu.layer_kernels import CpuLayerKernels
+
+    kernels = CpuLayerKernels()
+    kernels._ops = recorded = RecordedOps(kernels._ops)
+    x, weight = torch.randn(3, 10, dtype=torch.float64), torch.rand(10, dtype=torch.float64)
+    torch.testing.assert_close(kernels.silu_and_mul(x), NATIVE.silu_and_mul(x), rtol=0, atol=0)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), NATIVE.rms_norm(x, weight, 1e-6), rtol=0, atol=0)
+    assert recorded.calls == []  # float64 is not a dtype the C++ kernels take
+    recorded.calls.clear()
+    kernels.rms_norm(x.float(), weight.float(), 1e-6)
+    kernels.silu_and_mul(x[:, :10].float())
+    assert recorded.calls == ["rms_norm", "silu_and_mul"]  # the dtypes the C++ kernels take do reach them
 
 
 def test_auto_chooses_the_cpu_kernels_and_bad_names_list_the_choices():

@@ -1,4 +1,5 @@
 """The code in docs/plugins.md runs: every example defines what it says, and the small ones work."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,16 @@ def examples() -> dict:
 def test_every_example_defines_a_plugin_class(examples):
     from engine.interfaces.base import Pluggable
 
-    names = {"MyKernelBackend", "ForceToken", "InlineExecutor", "GumbelSampler", "NeverHitCoordinator",
-             "TanhSiluKernels", "MyLlamaForCausalLM", "DigitsOnly"}
+    names = {
+        "MyKernelBackend",
+        "ForceToken",
+        "InlineExecutor",
+        "GumbelSampler",
+        "NeverHitCoordinator",
+        "TanhSiluKernels",
+        "MyLlamaForCausalLM",
+        "DigitsOnly",
+    }
     assert names <= set(examples)
     assert all(issubclass(examples[n], Pluggable) for n in names - {"MyLlamaForCausalLM"})
 
@@ -39,9 +48,16 @@ def test_the_sampler_example_samples_the_distribution_and_honours_seeds(examples
     counts = torch.bincount(sampler(logits, meta).sampled_token_ids, minlength=6).double()
     expected = torch.softmax(logits[0].double(), dim=0) * rows
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
-    seeded = SamplingMetadata(torch.tensor([1.0, 0.0]), None, None, False, False,
-                              seeds=torch.tensor([7, 0]), seeded=torch.tensor([True, False]),
-                              output_index=torch.tensor([3, 0]))
+    seeded = SamplingMetadata(
+        torch.tensor([1.0, 0.0]),
+        None,
+        None,
+        False,
+        False,
+        seeds=torch.tensor([7, 0]),
+        seeded=torch.tensor([True, False]),
+        output_index=torch.tensor([3, 0]),
+    )
     first = sampler(logits[:2], seeded).sampled_token_ids
     assert first[1] == 0  # the greedy row
     assert all(sampler(logits[:2], seeded).sampled_token_ids[0] == first[0] for _ in range(5))

@@ -1,5 +1,6 @@
 """The Ray executor plugin (plugins/executor_ray) and Ray-placed data-parallel engine cores, on a local Ray
 cluster of two simulated one-CPU nodes: TP=2 and PP=2 over the ray executor, DP=2 over the ray DP backend."""
+
 from __future__ import annotations
 
 import time
@@ -12,6 +13,7 @@ from engine import LLM, EngineDeadError, SamplingParams  # noqa: E402
 from engine.config import VllmConfig  # noqa: E402
 from engine.interfaces.base import SelectionContext  # noqa: E402
 from engine.plugins import get_plugin_manager  # noqa: E402
+from engine.testing import inspect  # noqa: E402
 from tests.helpers import hf_greedy, random_prompts  # noqa: E402
 
 PROMPTS = random_prompts(4, (5, 40), seed=61)
@@ -45,7 +47,7 @@ def ray_llm(request, tiny_llama, two_node_cluster):
 
 
 def executor_of(llm):
-    return llm.llm_engine.engine_core.engine_core.executor
+    return inspect(llm).executor
 
 
 def is_data_parallel(llm) -> bool:
@@ -54,17 +56,18 @@ def is_data_parallel(llm) -> bool:
 
 def rank_node_ids(llm) -> list[str]:
     """The node of each Ray actor: the executor's workers, or the DP backend's engine cores."""
-    return llm.llm_engine.engine_core.engines.node_ids if is_data_parallel(llm) else executor_of(llm).worker_node_ids
+    return inspect(llm).client.engines.node_ids if is_data_parallel(llm) else executor_of(llm).worker_node_ids
 
 
 def check_health(llm) -> None:
     if is_data_parallel(llm):
-        assert llm.llm_engine.engine_core.call_utility("check_health")
+        assert inspect(llm).client.call_utility("check_health")
     else:
         executor_of(llm).check_health()
 
 
 def test_the_ray_executor_says_why_it_cannot_run_without_ray(monkeypatch):
+    import importlib.metadata
     import importlib.util
 
     from engine_executor_ray.plugin import RayExecutor
@@ -72,10 +75,15 @@ def test_the_ray_executor_says_why_it_cannot_run_without_ray(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     assert RayExecutor.unavailable_reasons(SelectionContext(VllmConfig.load())) == [
-        "ray is not installed: pip install engine-executor-ray (it depends on ray)"]
-    row = next(r for r in get_plugin_manager().table(SelectionContext(VllmConfig.load()))
-               if r["kind"] == "executor" and r["name"] == "ray")
-    assert row["source"] == "engine-executor-ray 0.1.0"
+        "ray is not installed: pip install engine-executor-ray (it depends on ray)"
+    ]
+    row = next(
+        r
+        for r in get_plugin_manager().table(SelectionContext(VllmConfig.load()))
+        if r["kind"] == "executor" and r["name"] == "ray"
+    )
+    # the table names the distribution the plugin came from, at its installed version
+    assert row["source"] == f"engine-executor-ray {importlib.metadata.version('engine-executor-ray')}"
 
 
 def test_the_ray_dp_backend_runs_one_api_server():
@@ -89,8 +97,9 @@ def test_two_ranks_over_ray_are_placed_one_per_node_and_give_transformers_greedy
     if not is_data_parallel(ray_llm):
         assert type(executor_of(ray_llm)).__name__ == "RayExecutor"
     assert len(set(rank_node_ids(ray_llm))) == 2  # two one-CPU nodes: one rank (TP rank, stage, DP rank) on each
-    outputs = ray_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8),
-                               use_tqdm=False)
+    outputs = ray_llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_tiny_llama, PROMPTS, 8)
     check_health(ray_llm)
     if is_data_parallel(ray_llm):  # both engine cores served requests

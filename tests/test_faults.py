@@ -5,6 +5,7 @@ Each case asserts what a client sees (an OpenAI-style error, never a hang or a p
 /health says, that the KV cache and the queues drain back to zero, and that no process outlives the
 server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,9 @@ import psutil
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.runtime.messages import ENCODER, EngineCoreRequest, EngineCoreRequestType, engine_identity
-from tests.helpers import Server, assert_all_blocks_free, random_prompts
+from engine.messages import ENCODER, EngineCoreRequest, EngineCoreRequestType, engine_identity
+from engine.testing import inspect
+from tests.helpers import Server, alive, assert_all_blocks_free, random_prompts, wait_for_async, wait_until
 
 pytestmark = pytest.mark.faults
 FAULTY_PLUGIN = Path(__file__).parent / "plugin_fixtures" / "engine_faulty_plugin"
@@ -35,24 +37,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-def alive(processes: list) -> list:
-    out = []
-    for proc in processes:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def engine_core_of(srv: Server) -> psutil.Process:
@@ -76,10 +60,15 @@ def metrics(srv: Server) -> dict[str, float]:
 
 def assert_drained(srv: Server, timeout: float = 20) -> None:
     """No request running or waiting, and no KV block in use (every block came back)."""
+
     def idle() -> bool:
         m = metrics(srv)
-        return m["engine_num_requests_running"] == 0 and m["engine_num_requests_waiting"] == 0 \
+        return (
+            m["engine_num_requests_running"] == 0
+            and m["engine_num_requests_waiting"] == 0
             and m["engine_kv_cache_usage_perc"] == 0
+        )
+
     assert wait_until(idle, timeout, 0.3), metrics(srv)
 
 
@@ -105,17 +94,27 @@ def assert_serving(srv: Server, headers: dict | None = None) -> None:
     assert response.json()["usage"]["completion_tokens"] == 4
 
 
-async def read_stream(url: str, body: dict, headers: dict | None = None, stop_after: int | None = None,
-                      timeout: float = 120) -> dict:
-    """Stream a completion: its data events, whether it ended with [DONE], and any error event."""
-    events, error = [], None
+async def read_stream(
+    url: str,
+    body: dict,
+    headers: dict | None = None,
+    stop_after: int | None = None,
+    timeout: float = 120,
+    events: list | None = None,
+) -> dict:
+    """Stream a completion: its data events, whether it ended with [DONE], and any error event. ``events``, when
+    given, is filled as the events arrive (a caller can wait for a stream to be under way)."""
+    events, error = ([] if events is None else events), None
     async with httpx.AsyncClient(timeout=timeout) as http:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        async with http.stream("POST", url + "/v1/completions", json=body,
-                               headers=headers or {}) as response:
+        async with http.stream("POST", url + "/v1/completions", json=body, headers=headers or {}) as response:
             if response.status_code != 200:
-                return {"status": response.status_code, "events": [], "done": False,
-                        "error": json.loads(await response.aread())["error"]}
+                return {
+                    "status": response.status_code,
+                    "events": [],
+                    "done": False,
+                    "error": json.loads(await response.aread())["error"],
+                }
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
                     return {"status": 200, "events": events, "done": True, "error": error}
@@ -149,8 +148,23 @@ def faulty_plugin_env(tmp_path_factory) -> dict:
     site = tmp_path_factory.mktemp("faulty-site")
     build = tmp_path_factory.mktemp("faulty-build") / "engine_faulty_plugin"
     shutil.copytree(FAULTY_PLUGIN, build)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(build)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(build),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -173,14 +187,19 @@ def faulty_processor_in_process():
 def test_a_request_that_raises_in_the_core_fails_alone(tiny_llama, faulty_processor_in_process, async_scheduling):
     llm = LLM(tiny_llama, dtype="float32", async_scheduling=async_scheduling)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, (5, 40), seed=7)]
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, extra_args={"fail": index == 2})
-              for index in range(5)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, extra_args={"fail": index == 2})
+        for index in range(5)
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     failed = outputs[2]
     assert failed.finished and failed.outputs[0].finish_reason == "error"
     assert "faulty processor" in failed.error
-    reference = llm.generate([p for i, p in enumerate(prompts) if i != 2],
-                             SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    reference = llm.generate(
+        [p for i, p in enumerate(prompts) if i != 2],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     kept = [o for i, o in enumerate(outputs) if i != 2]
     assert [o.outputs[0].token_ids for o in kept] == [o.outputs[0].token_ids for o in reference]
     assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in kept)
@@ -194,7 +213,7 @@ def test_a_request_that_raises_in_the_core_fails_alone(tiny_llama, faulty_proces
 def test_the_core_refuses_what_the_front_end_should_have(tiny_llama):
     """Any client may talk to the core: bad token ids or a reused request id fail that request only."""
     llm = LLM(tiny_llama, dtype="float32")
-    core = llm.llm_engine.engine_core.engine_core
+    core = inspect(llm).engine_core
     bad_bias = SamplingParams(max_tokens=2)
     bad_bias.logit_bias = {-100000: 5.0}  # past the constructor's checks, as a raw client could send it
     core.add_request(EngineCoreRequest("neg-prompt", [1, -5, 3], SamplingParams(max_tokens=2), 2, 0.0))
@@ -215,12 +234,22 @@ def test_the_core_refuses_what_the_front_end_should_have(tiny_llama):
 
 def test_the_core_process_survives_malformed_messages(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", engine_core_process=True)
-    client = llm.llm_engine.engine_core
-    bad_params = msgspec.msgpack.encode({"request_id": "raw", "prompt_token_ids": [1, 2], "eos_token_id": 2,
-                                         "arrival_time": 0.0, "sampling_params": {"logit_bias": {"-1": 5}}})
-    for frames in ([EngineCoreRequestType.ADD.value, b"\xc1garbage"], [b"\x09", b""],
-                   [EngineCoreRequestType.ADD.value, bad_params],
-                   [EngineCoreRequestType.ABORT.value, ENCODER.encode({"not": "a list"})]):
+    client = inspect(llm).client
+    bad_params = msgspec.msgpack.encode(
+        {
+            "request_id": "raw",
+            "prompt_token_ids": [1, 2],
+            "eos_token_id": 2,
+            "arrival_time": 0.0,
+            "sampling_params": {"logit_bias": {"-1": 5}},
+        }
+    )
+    for frames in (
+        [EngineCoreRequestType.ADD.value, b"\xc1garbage"],
+        [b"\x09", b""],
+        [EngineCoreRequestType.ADD.value, bad_params],
+        [EngineCoreRequestType.ABORT.value, ENCODER.encode({"not": "a list"})],
+    ):
         client.input_socket.send_multipart([engine_identity(0), *frames])
     out = llm.generate(["still alive?"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3 and client.proc.is_alive()
@@ -242,10 +271,13 @@ def test_an_unhandled_exception_is_a_json_500_with_the_request_id():
 
     async def echo(request):
         from starlette.responses import JSONResponse
+
         return JSONResponse({"bytes": len(await request.body())})
 
-    app = Starlette(routes=[Route("/boom", boom, methods=["POST"]), Route("/echo", echo, methods=["POST"])],
-                    middleware=[Middleware(RequestGuardMiddleware, max_body_bytes=2048)])  # as build_app adds it
+    app = Starlette(
+        routes=[Route("/boom", boom, methods=["POST"]), Route("/echo", echo, methods=["POST"])],
+        middleware=[Middleware(RequestGuardMiddleware, max_body_bytes=2048)],
+    )  # as build_app adds it
     with TestClient(app, raise_server_exceptions=False) as http:
         response = http.post("/boom", headers={"X-Request-Id": "req-42"})
         error = assert_openai_error(response, 500)
@@ -261,8 +293,19 @@ def test_an_unhandled_exception_is_a_json_500_with_the_request_id():
 @pytest.fixture(scope="module")
 def hostile_server(tiny_llama, faulty_plugin_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile-tmp")
-    srv = Server("--model", tiny_llama, "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
-                 "--api-key", KEY, env={**faulty_plugin_env, "TMPDIR": str(tmp)})
+    srv = Server(
+        "--model",
+        tiny_llama,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "1024",
+        "--api-key",
+        KEY,
+        env={**faulty_plugin_env, "TMPDIR": str(tmp)},
+    )
     srv.tmp = tmp
     yield srv
     srv.stop()
@@ -276,7 +319,7 @@ HOSTILE_BODIES = [
     ({"logit_bias": {"5": 1000}}, "logit_bias"),
     ('{"prompt": "hi", "logit_bias": {"5": NaN}}', None),
     ({"seed": 2**64}, "seed"),
-    ({"seed": -2**63 - 1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"max_tokens": 10**30}, "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),  # prompt + max_tokens past the context (1024)
     ({"prompt": [5] * 1000, "max_tokens": 100}, "max_tokens"),
@@ -296,8 +339,12 @@ HOSTILE_BODIES = [
 @pytest.mark.parametrize("body, param", HOSTILE_BODIES, ids=[str(i) for i in range(len(HOSTILE_BODIES))])
 def test_hostile_bodies_get_a_400_and_the_engine_keeps_serving(hostile_server, body, param):
     if isinstance(body, str):
-        response = httpx.post(hostile_server.url + "/v1/completions", content=body.encode(), timeout=60,
-                              headers={**AUTH, "content-type": "application/json"})
+        response = httpx.post(
+            hostile_server.url + "/v1/completions",
+            content=body.encode(),
+            timeout=60,
+            headers={**AUTH, "content-type": "application/json"},
+        )
     else:
         response = completion(hostile_server, AUTH, **body)
     assert_openai_error(response, 400, param)
@@ -317,12 +364,16 @@ def test_a_request_that_fails_in_the_engine_fails_alone_over_http(hostile_server
     url = hostile_server.url
 
     async def run():
-        normal = [read_stream(url, {"prompt": f"client {i}", "max_tokens": 24, "ignore_eos": True}, AUTH)
-                  for i in range(6)]
+        normal = [
+            read_stream(url, {"prompt": f"client {i}", "max_tokens": 24, "ignore_eos": True}, AUTH) for i in range(6)
+        ]
         failing_stream = read_stream(url, {"prompt": "break", "max_tokens": 24, "vllm_xargs": {"fail": True}}, AUTH)
         async with httpx.AsyncClient(timeout=120) as http:
-            failing = http.post(url + "/v1/completions", headers=AUTH,
-                                json={"prompt": "break too", "max_tokens": 24, "vllm_xargs": {"fail": True}})
+            failing = http.post(
+                url + "/v1/completions",
+                headers=AUTH,
+                json={"prompt": "break too", "max_tokens": 24, "vllm_xargs": {"fail": True}},
+            )
             return await asyncio.gather(failing, failing_stream, *normal)
 
     failing, failing_stream, *normal = asyncio.run(run())
@@ -345,8 +396,12 @@ def test_api_key_scheme_is_case_insensitive(hostile_server):
 
 def test_bodies_past_the_limit_get_413(hostile_server):
     big = json.dumps({"prompt": "x" * (9 * 1024**2)}).encode()
-    response = httpx.post(hostile_server.url + "/v1/completions", content=big, timeout=60,
-                          headers={**AUTH, "content-type": "application/json"})
+    response = httpx.post(
+        hostile_server.url + "/v1/completions",
+        content=big,
+        timeout=60,
+        headers={**AUTH, "content-type": "application/json"},
+    )
     assert_openai_error(response, 413)
     assert_serving(hostile_server, AUTH)
 
@@ -373,16 +428,20 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(hostile_server):
     assert "context length" in assert_openai_error(result["response"], 400)["message"]
 
 
-def abandon_non_streaming(srv: Server, headers: dict, count: int = 6, max_tokens: int = 900,
-                          hang_up_after: float = 1.0) -> None:
+def abandon_non_streaming(
+    srv: Server, headers: dict, count: int = 6, max_tokens: int = 900, hang_up_after: float = 1.0
+) -> None:
     """Non-streaming requests whose clients hang up (after ``hang_up_after`` s) must stop generating."""
     before = metrics(srv)
 
     async def one(index: int) -> None:
         async with httpx.AsyncClient(timeout=hang_up_after) as http:
             with pytest.raises(httpx.ReadTimeout):
-                await http.post(srv.url + "/v1/completions", headers=headers,
-                                json={"prompt": f"abandoned {index}", "max_tokens": max_tokens, "ignore_eos": True})
+                await http.post(
+                    srv.url + "/v1/completions",
+                    headers=headers,
+                    json={"prompt": f"abandoned {index}", "max_tokens": max_tokens, "ignore_eos": True},
+                )
 
     async def run():
         await asyncio.gather(*(one(i) for i in range(count)))
@@ -405,9 +464,15 @@ def test_api_server_sigkill_takes_every_process_along(hostile_server):
     assert procs and ipc_dirs(hostile_server.tmp)
 
     async def load():
-        return await asyncio.gather(*(read_stream(hostile_server.url, {"prompt": f"x{i}", "max_tokens": 500,
-                                                                       "ignore_eos": True}, AUTH, timeout=20)
-                                      for i in range(4)), return_exceptions=True)
+        return await asyncio.gather(
+            *(
+                read_stream(
+                    hostile_server.url, {"prompt": f"x{i}", "max_tokens": 500, "ignore_eos": True}, AUTH, timeout=20
+                )
+                for i in range(4)
+            ),
+            return_exceptions=True,
+        )
 
     loader = threading.Thread(target=lambda: asyncio.run(load()))
     loader.start()
@@ -422,9 +487,21 @@ def test_api_server_sigkill_takes_every_process_along(hostile_server):
 @pytest.fixture(scope="module")
 def pressure_server(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pressure-tmp")
-    srv = Server("--model", tiny_llama, "--dtype", "float32", "--num-gpu-blocks-override", "48",
-                 "--max-model-len", "512", "--max-num-seqs", "64", "--shutdown-grace-period", "4",
-                 env={"TMPDIR": str(tmp)})
+    srv = Server(
+        "--model",
+        tiny_llama,
+        "--dtype",
+        "float32",
+        "--num-gpu-blocks-override",
+        "48",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "64",
+        "--shutdown-grace-period",
+        "4",
+        env={"TMPDIR": str(tmp)},
+    )
     srv.tmp = tmp
     yield srv
     srv.stop()
@@ -439,23 +516,34 @@ def test_kv_pressure_preempts_and_loses_nothing(pressure_server):
     before = metrics(pressure_server)["engine_num_preemptions"]
 
     async def run():
-        return await asyncio.gather(*(read_stream(pressure_server.url, {"prompt": f"pressure {i} " * 8,
-                                                                         "max_tokens": 48, "ignore_eos": True})
-                                      for i in range(24)))
+        return await asyncio.gather(
+            *(
+                read_stream(pressure_server.url, {"prompt": f"pressure {i} " * 8, "max_tokens": 48, "ignore_eos": True})
+                for i in range(24)
+            )
+        )
 
     results = asyncio.run(run())
-    assert all(r["done"] and r["error"] is None and stream_tokens(r) == 48 for r in results), \
-        [(i, r["done"], r["error"], stream_tokens(r)) for i, r in enumerate(results)
-         if not (r["done"] and r["error"] is None and stream_tokens(r) == 48)]
+    assert all(r["done"] and r["error"] is None and stream_tokens(r) == 48 for r in results), [
+        (i, r["done"], r["error"], stream_tokens(r))
+        for i, r in enumerate(results)
+        if not (r["done"] and r["error"] is None and stream_tokens(r) == 48)
+    ]
     assert metrics(pressure_server)["engine_num_preemptions"] > before
     assert_drained(pressure_server)
 
 
 def test_300_clients_hanging_up_at_once(pressure_server):
     async def run():
-        return await asyncio.gather(*(read_stream(pressure_server.url, {"prompt": f"bye {i}", "max_tokens": 200,
-                                                                         "ignore_eos": True}, stop_after=1)
-                                      for i in range(300)), return_exceptions=True)
+        return await asyncio.gather(
+            *(
+                read_stream(
+                    pressure_server.url, {"prompt": f"bye {i}", "max_tokens": 200, "ignore_eos": True}, stop_after=1
+                )
+                for i in range(300)
+            ),
+            return_exceptions=True,
+        )
 
     results = asyncio.run(run())
     assert sum(1 for r in results if isinstance(r, dict) and r["status"] == 200) >= 250, results[:3]
@@ -467,8 +555,12 @@ def test_a_frozen_core_resumes_and_its_clients_finish(pressure_server):
     core = engine_core_of(pressure_server)
 
     async def run():
-        streams = [asyncio.create_task(read_stream(pressure_server.url, {"prompt": f"frozen {i}", "max_tokens": 64,
-                                                                         "ignore_eos": True})) for i in range(4)]
+        streams = [
+            asyncio.create_task(
+                read_stream(pressure_server.url, {"prompt": f"frozen {i}", "max_tokens": 64, "ignore_eos": True})
+            )
+            for i in range(4)
+        ]
         await asyncio.sleep(0.5)
         core.suspend()
         await asyncio.sleep(2.0)
@@ -490,9 +582,16 @@ def test_sigterm_under_load_ends_each_stream_with_an_error_event(pressure_server
         # 32 streams of 480 tokens in 48 KV blocks (one full-length stream fits at a time): far more work than the
         # 1.5 s + 4 s grace period, even on a fast AVX-512 machine (12 streams all finished in time there)
         async def run():
-            return await asyncio.gather(*(read_stream(pressure_server.url, {"prompt": f"long {i}", "max_tokens": 480,
-                                                                            "ignore_eos": True}, timeout=30)
-                                          for i in range(32)), return_exceptions=True)
+            return await asyncio.gather(
+                *(
+                    read_stream(
+                        pressure_server.url, {"prompt": f"long {i}", "max_tokens": 480, "ignore_eos": True}, timeout=30
+                    )
+                    for i in range(32)
+                ),
+                return_exceptions=True,
+            )
+
         results["streams"] = asyncio.run(run())
 
     loader = threading.Thread(target=load)
@@ -516,9 +615,16 @@ def test_sigterm_under_load_ends_each_stream_with_an_error_event(pressure_server
 # ---- deaths: a worker, the core ------------------------------------------------------------------------
 def assert_dead_engine_is_reported(srv: Server, kill) -> None:
     async def run():
-        streams = [asyncio.create_task(read_stream(srv.url, {"prompt": f"victim {i}", "max_tokens": 500,
-                                                             "ignore_eos": True})) for i in range(4)]
-        await asyncio.sleep(1.0)
+        received = [[] for _ in range(4)]
+        streams = [
+            asyncio.create_task(
+                read_stream(
+                    srv.url, {"prompt": f"victim {i}", "max_tokens": 500, "ignore_eos": True}, events=received[i]
+                )
+            )
+            for i in range(4)
+        ]
+        await wait_for_async(lambda: all(received), 60)  # every stream under way, none near its 500 tokens
         kill()
         start = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*streams), 15)
@@ -532,8 +638,9 @@ def assert_dead_engine_is_reported(srv: Server, kill) -> None:
 
 
 def test_worker_sigkill_with_tensor_parallel_2(tiny_llama, tmp_path):
-    srv = Server("--model", tiny_llama, "--dtype", "float32", "--tensor-parallel-size", "2",
-                 env={"TMPDIR": str(tmp_path)})
+    srv = Server(
+        "--model", tiny_llama, "--dtype", "float32", "--tensor-parallel-size", "2", env={"TMPDIR": str(tmp_path)}
+    )
     try:
         procs = srv.descendants()
         workers = engine_core_of(srv).children()
@@ -562,8 +669,16 @@ def test_core_sigkill_under_load(tiny_llama, tmp_path):
 
 # ---- start-up failures ---------------------------------------------------------------------------------
 def test_sigterm_while_the_model_loads_leaves_no_process_and_no_ipc_folder(tiny_llama, tmp_path):
-    srv = Server("--model", tiny_llama, "--dtype", "float32", "--tensor-parallel-size", "2",
-                 env={"TMPDIR": str(tmp_path)}, wait_healthy=False)
+    srv = Server(
+        "--model",
+        tiny_llama,
+        "--dtype",
+        "float32",
+        "--tensor-parallel-size",
+        "2",
+        env={"TMPDIR": str(tmp_path)},
+        wait_healthy=False,
+    )
     try:
         core = engine_core_of(srv)
         assert wait_until(lambda: len(core.children()) >= 1, 60)  # workers spawned: loading is under way

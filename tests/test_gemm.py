@@ -1,4 +1,5 @@
 """bfloat16 models on CPUs without bfloat16 GEMMs: float32 weights, products rounded to bfloat16."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,9 @@ import torch
 
 from engine.model.layers import gemm
 from engine.model.layers.gemm import widen_gemm_weights
-from engine.model.layers.linear import linear, linear_layers, pack_linear_layers
+from engine.model.layers.linear import linear, linear_layers
 from engine.model.layers.native_kernels import NativeLayerKernels
+from engine.model.layers.packing import pack_linear_layers
 
 
 def test_widened_product_is_a_bf16_gemm_with_float32_accumulation():
@@ -18,8 +20,8 @@ def test_widened_product_is_a_bf16_gemm_with_float32_accumulation():
     out = linear(x, w.float(), bias.float())
     assert out.dtype == torch.bfloat16
     expected = (x.double() @ w.double().T + bias.double()).bfloat16()  # exact sum, one rounding
-    assert (out.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2 ** -7
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), atol=0.1, rtol=2 ** -6)
+    assert (out.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2**-7
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), atol=0.1, rtol=2**-6)
 
 
 def test_widening_follows_the_cpu(monkeypatch, tiny_llama):
@@ -67,8 +69,9 @@ def test_packed_linear_layers_match_the_plain_products(tiny_llama):
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    model = load_model(resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"),
-                       show_progress=False)
+    model = load_model(
+        resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"), show_progress=False
+    )
     linears = linear_layers(model)
     assert linears and all(m.packed is not None for m in linears) and model.logits_gemm is not None
     gen = torch.Generator().manual_seed(2)
@@ -99,8 +102,13 @@ def test_packed_layers_with_bias_add_it_once(kernels_name):
             pytest.skip("the cpu GEMM was built without AVX2")
         kernels = CpuLayerKernels()
     gen = torch.Generator().manual_seed(3)
-    layers = torch.nn.ModuleList([MergedColumnParallelLinear(32, [24, 24], bias=True),
-                                  QKVParallelLinear(32, 8, 4, 2, bias=True), RowParallelLinear(48, 32, bias=True)])
+    layers = torch.nn.ModuleList(
+        [
+            MergedColumnParallelLinear(32, [24, 24], bias=True),
+            QKVParallelLinear(32, 8, 4, 2, bias=True),
+            RowParallelLinear(48, 32, bias=True),
+        ]
+    )
     for param in layers.parameters():
         param.data.normal_(generator=gen)
     assert pack_linear_layers(layers, kernels.pack_linear) == 3

@@ -1,5 +1,6 @@
 """The model runner's persistent input batch: rows survive steps, holes are filled and condensed, and
 every per-row array moves with its request."""
+
 from __future__ import annotations
 
 import random
@@ -16,18 +17,24 @@ from engine.worker.input_batch import SAMPLING_COLUMNS, CachedRequestState, Inpu
 def make_state(i: int, rng: random.Random) -> CachedRequestState:
     prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 40))]
     output = [rng.randrange(1, 500) for _ in range(rng.randrange(0, 10))]
-    params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
-                            top_k=rng.choice([0, 5]), seed=rng.choice([None, i]), logprobs=rng.choice([None, 2]),
-                            presence_penalty=rng.choice([0.0, 0.5]))
+    params = SamplingParams(
+        temperature=rng.choice([0.0, 0.7, 1.3]),
+        top_p=rng.choice([1.0, 0.9]),
+        top_k=rng.choice([0, 5]),
+        seed=rng.choice([None, i]),
+        logprobs=rng.choice([None, 2]),
+        presence_penalty=rng.choice([0.0, 0.5]),
+    )
     blocks = [[rng.randrange(1, 1000) for _ in range(rng.randrange(1, 4))] for _ in range(2)]
-    return CachedRequestState(f"r{i}", prompt, prompt + output, params, blocks, len(prompt) - 1, 2,
-                              [params.presence_penalty != 0])
+    return CachedRequestState(
+        f"r{i}", prompt, prompt + output, params, blocks, len(prompt) - 1, 2, [params.presence_penalty != 0]
+    )
 
 
 def check_row(batch: InputBatch, state: CachedRequestState) -> None:
     row = batch.req_id_to_index[state.req_id]
     assert batch.req_ids[row] == state.req_id and batch.params[row] is state.sampling_params
-    assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == state.token_ids
+    assert batch.token_ids[row, : batch.num_tokens[row]].tolist() == state.token_ids
     assert batch.num_prompt_tokens[row] == len(state.prompt_token_ids)
     assert batch.num_computed_tokens[row] == state.num_computed_tokens
     for table, ids in zip(batch.block_tables, state.block_ids):

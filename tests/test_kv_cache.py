@@ -1,16 +1,21 @@
 """BlockPool, prefix hashes and KVCacheManager with the built-in coordinators."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.coordinators import (HybridKVCacheCoordinator, NoPrefixCacheCoordinator,
-                                          UnitaryKVCacheCoordinator)
+from engine.kv_cache.coordinators import HybridKVCacheCoordinator, NoPrefixCacheCoordinator, UnitaryKVCacheCoordinator
 from engine.kv_cache.hashing import extend_block_hashes, hash_block_tokens
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
-                                  make_kv_cache_config)
+from engine.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    make_kv_cache_config,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Request
 

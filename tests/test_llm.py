@@ -1,9 +1,11 @@
 """The offline LLM API: inputs, outputs, stop rules, sampling, abort, validation."""
+
 from __future__ import annotations
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.testing import inspect
 from tests.helpers import assert_all_blocks_free, hf_greedy, random_prompts
 
 
@@ -15,8 +17,11 @@ def llm(tiny_llama):
 def test_prompt_forms_and_order(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello there, how are you")
-    outs = llm.generate(["Hello there, how are you", ids, {"prompt_token_ids": ids}, {"prompt": "Hello there, how are you"}],
-                        SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    outs = llm.generate(
+        ["Hello there, how are you", ids, {"prompt_token_ids": ids}, {"prompt": "Hello there, how are you"}],
+        SamplingParams(temperature=0, max_tokens=5),
+        use_tqdm=False,
+    )
     assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
     assert all(o.prompt_token_ids == ids for o in outs)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
@@ -29,8 +34,9 @@ def test_prompt_forms_and_order(llm):
 def test_chat_applies_the_template(llm):
     tok = llm.get_tokenizer()
     messages = [{"role": "user", "content": "hi"}]
-    expected = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False)
+    expected = tok.encode(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert out.prompt_token_ids == expected and "<|im_start|>assistant" in tok.decode(expected)
 
@@ -39,11 +45,13 @@ def test_stop_token_ids_and_min_tokens(llm, hf_tiny_llama):
     prompt = random_prompts(1, (20, 20), seed=4)[0]
     greedy = hf_greedy(hf_tiny_llama, [prompt], 8, eos_token_id=None)[0]
     stop = greedy[2]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == greedy[:greedy.index(stop) + 1] and out.finish_reason == "stop" and out.stop_reason == stop
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert out.token_ids == greedy[: greedy.index(stop) + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert stop not in out.token_ids[:5] and len(out.token_ids) >= 5
 
 
@@ -54,8 +62,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     others = [SamplingParams(temperature=0.8, max_tokens=12)] * 8
     batch = llm.generate(prompts, [seeded] + others, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == batch
-    other_seed = llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=12, seed=99),
-                              use_tqdm=False)[0].outputs[0].token_ids
+    other_seed = (
+        llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=12, seed=99), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
 
 
@@ -64,10 +75,22 @@ def test_seeded_requests_keep_their_tokens_through_preemption_and_skipped_steps(
     rows leave and re-enter the runner's persistent batch; seeded requests, with every sampling setting
     and logits processor in play, give the tokens they give alone in a roomy engine."""
     prompts = random_prompts(6, (20, 40), seed=11)
-    params = [SamplingParams(temperature=0.9, max_tokens=40, seed=i, ignore_eos=True,
-                             top_k=[0, 20][i % 2], top_p=[1.0, 0.9][i % 3 == 0], min_p=[0.0, 0.05][i % 2],
-                             presence_penalty=0.3 * (i % 3), repetition_penalty=[1.0, 1.2][i % 2],
-                             min_tokens=3, bad_words_token_ids=[[prompts[i][0]]]) for i in range(6)]
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            max_tokens=40,
+            seed=i,
+            ignore_eos=True,
+            top_k=[0, 20][i % 2],
+            top_p=[1.0, 0.9][i % 3 == 0],
+            min_p=[0.0, 0.05][i % 2],
+            presence_penalty=0.3 * (i % 3),
+            repetition_penalty=[1.0, 1.2][i % 2],
+            min_tokens=3,
+            bad_words_token_ids=[[prompts[i][0]]],
+        )
+        for i in range(6)
+    ]
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     tight = LLM(tiny_llama, dtype="float32", max_model_len=128, max_num_batched_tokens=8, num_gpu_blocks_override=10)
     together = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
@@ -85,8 +108,10 @@ def test_top_k_one_is_greedy(llm):
 
 def test_abort_returns_every_block(llm):
     engine = llm.llm_engine
-    ids = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
-           for p in random_prompts(5, (30, 90), seed=8)]
+    ids = [
+        engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+        for p in random_prompts(5, (30, 90), seed=8)
+    ]
     for _ in range(3):
         engine.step()
     assert llm.get_stats().num_free_blocks < llm.get_stats().num_total_blocks
@@ -96,11 +121,14 @@ def test_abort_returns_every_block(llm):
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ([], "the prompt is empty"),
-    ([5] * 256, "context length is 256"),
-    ([49152], "out of the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "the prompt is empty"),
+        ([5] * 256, "context length is 256"),
+        ([49152], "out of the vocabulary"),
+    ],
+)
 def test_bad_prompts_are_rejected_and_nothing_leaks(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([[10, 11], prompt], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -108,11 +136,17 @@ def test_bad_prompts_are_rejected_and_nothing_leaks(llm, prompt, message):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
-    ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
 def test_sampling_params_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**kwargs)
@@ -126,7 +160,7 @@ def test_a_shut_down_llm_is_collected_with_its_weights(tiny_llama):
 
     llm = LLM(tiny_llama, dtype="float32", max_model_len=128)
     llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2), use_tqdm=False)
-    model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    model = inspect(llm).model
     weights = weakref.ref(next(model.parameters()))
     engine = weakref.ref(llm.llm_engine)
     del model

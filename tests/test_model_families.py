@@ -1,5 +1,6 @@
 """Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3: greedy parity with transformers on tiny random models,
 over prompts longer than the sliding window, and the hybrid KV-cache coordinator's block accounting."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
+from engine.testing import inspect
 from tests.helpers import assert_all_blocks_free, hf_greedy, random_prompts
 
 WINDOW = 12  # not a multiple of any block size used below
@@ -19,11 +21,27 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict()),
     "qwen2-sliding": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
-    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
-                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
-                                        num_hidden_layers=3, rope_theta=100000.0,
-                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            num_hidden_layers=3,
+            rope_theta=100000.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
 }
 
 
@@ -37,22 +55,27 @@ def family(request, make_tiny_model):
 
 def engine_greedy(model_dir: str, prompts, max_tokens: int = MAX_TOKENS, **config):
     llm = LLM(model_dir, dtype="float32", **config)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+    )
     assert_all_blocks_free(llm)
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
 def kv_cache_manager(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    return inspect(llm).kv_cache_manager
 
 
-@pytest.mark.parametrize("config", [
-    {"block_size": 8},
-    {"block_size": 8, "enable_prefix_caching": False},
-    {"block_size": 8, "max_num_batched_tokens": 10},  # chunked prefill: chunks smaller than the window
-    {"block_size": 16, "max_num_batched_tokens": 24, "max_num_seqs": 2},
-], ids=["prefix-cache", "no-prefix", "chunked", "block16-chunked"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"block_size": 8},
+        {"block_size": 8, "enable_prefix_caching": False},
+        {"block_size": 8, "max_num_batched_tokens": 10},  # chunked prefill: chunks smaller than the window
+        {"block_size": 16, "max_num_batched_tokens": 24, "max_num_seqs": 2},
+    ],
+    ids=["prefix-cache", "no-prefix", "chunked", "block16-chunked"],
+)
 def test_family_greedy_matches_transformers(family, config):
     name, model_dir, _, reference = family
     tokens, _ = engine_greedy(model_dir, PROMPTS, **config)
@@ -72,14 +95,20 @@ def test_gemma3_with_triton_kernels_matches_transformers(make_tiny_model):
 
 def test_families_resolve_to_their_classes(family):
     name, model_dir, _, _ = family
+    from engine.config import ModelConfig
     from engine.model.loader import get_model_class
     from engine.model.model_info import resolve_model
-    from engine.config import ModelConfig
 
     info = resolve_model(ModelConfig(model=model_dir))
     cls = get_model_class(info.architecture)
-    expected = {"mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2-sliding": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+    expected = {
+        "mistral": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen2-sliding": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
+    }
     assert cls.__name__ == expected[name]
 
 
@@ -91,7 +120,7 @@ def test_hybrid_prefix_hits_equal_cold_run(make_tiny_model, family_name):
     prompts = [shared + tail for tail in random_prompts(4, (2, 9), seed=22)]
     cold, _ = engine_greedy(model_dir, prompts, 12, block_size=8, enable_prefix_caching=False)
     llm = LLM(model_dir, dtype="float32", block_size=8)
-    assert llm.llm_engine.engine_core.engine_core.plugins["kv_cache_coordinator"].name == "hybrid"
+    assert inspect(llm).plugins["kv_cache_coordinator"].name == "hybrid"
     params = SamplingParams(temperature=0, max_tokens=12)
     first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -138,8 +167,8 @@ def test_hybrid_layout_shares_cache_tensors(make_tiny_model):
 
 def test_coordinator_choice_and_errors(make_tiny_model):
     from engine.config import VllmConfig
+    from engine.engine_core.engine_core import select_plugins
     from engine.model.model_info import resolve_model
-    from engine.runtime.engine_core import select_plugins
 
     config_cls, overrides = FAMILIES["gemma3"]
     model_dir = make_tiny_model(config_cls, **overrides)
@@ -167,7 +196,11 @@ def test_load_weights_must_return_the_loaded_names(tiny_llama, monkeypatch):
 
     original = LlamaForCausalLM.load_weights
     monkeypatch.setattr(LlamaForCausalLM, "load_weights", lambda self, weights: (original(self, weights), None)[1])
-    with pytest.raises(TypeError, match=r"engine\.model\.llama\.LlamaForCausalLM\.load_weights must return the set "
-                                        r"of parameter names it loaded, got NoneType"):
-        load_model(resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"),
-                   show_progress=False)
+    with pytest.raises(
+        TypeError,
+        match=r"engine\.model\.llama\.LlamaForCausalLM\.load_weights must return the set "
+        r"of parameter names it loaded, got NoneType",
+    ):
+        load_model(
+            resolve_model(ModelConfig(model=tiny_llama, dtype="float32")), torch.device("cpu"), show_progress=False
+        )

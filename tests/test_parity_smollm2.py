@@ -3,6 +3,7 @@
 One transformers reference serves four engine runs: plain, chunked prefill, preemption, and no prefix
 caching. Half of the prompts share a long prefix, so the plain run shows prefix-cache hits.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,19 +16,29 @@ from tests.helpers import assert_all_blocks_free, hf_greedy
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
-PREAMBLE = ("You are a careful assistant for a small library in a coastal town. The library opens at nine, closes at "
-            "six, lends books for three weeks, and charges no fines for children. Members may reserve up to five "
-            "books, and the reading room is quiet after four in the afternoon. Answer the visitor briefly.\n")
-QUESTIONS = ["Visitor: When does the library open?\nAssistant:", "Visitor: Do children pay fines?\nAssistant:",
-             "Visitor: How many books can I reserve?\nAssistant:", "Visitor: Is the reading room quiet?\nAssistant:"]
-OTHERS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived",
-          "List three colors:"]
+PREAMBLE = (
+    "You are a careful assistant for a small library in a coastal town. The library opens at nine, closes at "
+    "six, lends books for three weeks, and charges no fines for children. Members may reserve up to five "
+    "books, and the reading room is quiet after four in the afternoon. Answer the visitor briefly.\n"
+)
+QUESTIONS = [
+    "Visitor: When does the library open?\nAssistant:",
+    "Visitor: Do children pay fines?\nAssistant:",
+    "Visitor: How many books can I reserve?\nAssistant:",
+    "Visitor: Is the reading room quiet?\nAssistant:",
+]
+OTHERS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived",
+    "List three colors:",
+]
 
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_gguf):
-    from engine.model.model_info import resolve_model
     from engine.config import ModelConfig
+    from engine.model.model_info import resolve_model
     from engine.model.tokenizer import get_tokenizer
 
     tok = get_tokenizer(resolve_model(ModelConfig()))
@@ -38,8 +49,9 @@ def prompts(smollm2_gguf):
 def hf_model(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
-                                                 gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -48,16 +60,21 @@ def reference(hf_model, prompts):
     return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("config", [
-    {},
-    {"max_num_batched_tokens": 32},
-    {"num_gpu_blocks_override": 24, "max_model_len": 384},
-    {"enable_prefix_caching": False},
-], ids=["default", "chunked-prefill", "preemption", "no-prefix-cache"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"max_num_batched_tokens": 32},
+        {"num_gpu_blocks_override": 24, "max_model_len": 384},
+        {"enable_prefix_caching": False},
+    ],
+    ids=["default", "chunked-prefill", "preemption", "no-prefix-cache"],
+)
 def test_smollm2_greedy_equals_transformers(prompts, reference, config):
     llm = LLM(dtype="float32", quantization="none", **{"kv_cache_memory": "256MiB", "max_model_len": 2048, **config})
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
     tokens = [o.outputs[0].token_ids for o in outputs]
     assert tokens == reference
     stats = llm.get_stats()
@@ -76,13 +93,23 @@ def test_smollm2_top5_logprobs_match_transformers(hf_model, prompts):
     steps = 16
     llm = LLM(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=2048)
     chosen = [prompts[0], prompts[5]]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen],
-                           SamplingParams(temperature=0, max_tokens=steps, logprobs=5, ignore_eos=True), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in chosen],
+        SamplingParams(temperature=0, max_tokens=steps, logprobs=5, ignore_eos=True),
+        use_tqdm=False,
+    )
     for prompt, output in zip(chosen, outputs):
-        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_logits=True,
-                                return_dict_in_generate=True, eos_token_id=None, pad_token_id=2)
+        ref = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
         completion = output.outputs[0]
-        assert completion.token_ids == ref.sequences[0, len(prompt):].tolist()
+        assert completion.token_ids == ref.sequences[0, len(prompt) :].tolist()
         for position, logits in zip(completion.logprobs, ref.logits):
             top = logits[0].float().log_softmax(-1).topk(5)
             for token_id, value in zip(top.indices.tolist(), top.values.tolist()):

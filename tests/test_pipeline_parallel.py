@@ -2,6 +2,7 @@
 of the layers and only their KV caches, stages hand the residual stream on with send/recv, the engine core keeps
 one step per stage in flight, and TP x PP compose; greedy tokens equal transformers' under chunked prefill and
 preemption."""
+
 from __future__ import annotations
 
 import re
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, VllmConfig
 from engine.distributed.parallel_state import pipeline_layer_range
+from engine.testing import inspect
 from tests.helpers import assert_all_blocks_free, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(6, (5, 60), seed=23)
@@ -23,7 +25,7 @@ STRESS = dict(max_num_batched_tokens=24, block_size=8, num_gpu_blocks_override=2
 
 
 def executor_of(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core.executor
+    return inspect(llm).executor
 
 
 def run_counting_steps_in_flight(llm: LLM, prompts, max_tokens: int = MAX_TOKENS):
@@ -42,8 +44,11 @@ def run_counting_steps_in_flight(llm: LLM, prompts, max_tokens: int = MAX_TOKENS
 
     executor.execute_model = counting
     try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=max_tokens),
+            use_tqdm=False,
+        )
     finally:
         executor.execute_model = submit
     return [o.outputs[0].token_ids for o in outputs], most[0]
@@ -61,11 +66,16 @@ def test_layers_are_cut_into_contiguous_stages_the_first_taking_the_remainder():
     assert [pipeline_layer_range(4, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(pipeline_parallel_size=2, async_scheduling=True), "parallel.pipeline_parallel_size=2 and "
-                                                            "scheduler.async_scheduling cannot be combined"),
-    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram"}), "speculative.method='ngram'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            dict(pipeline_parallel_size=2, async_scheduling=True),
+            "parallel.pipeline_parallel_size=2 and scheduler.async_scheduling cannot be combined",
+        ),
+        (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram"}), "speculative.method='ngram'"),
+    ],
+)
 def test_combinations_pipeline_parallelism_cannot_run_are_refused_by_the_config(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         VllmConfig.load(**overrides)
@@ -94,8 +104,10 @@ def test_pp2_equals_transformers_with_chunked_prefill_preemption_and_stages_in_f
     assert type(executor).__name__ == "MultiprocExecutor" and len(executor.workers) == 2
     # each stage holds its layers' KV caches only: 3 + 2 of the 5
     specs = executor.collective_rpc("get_kv_cache_spec")
-    assert [sorted(int(re.search(r"layers\.(\d+)\.", name).group(1)) for name in stage) for stage in specs] == \
-        [[0, 1, 2], [3, 4]]
+    assert [sorted(int(re.search(r"layers\.(\d+)\.", name).group(1)) for name in stage) for stage in specs] == [
+        [0, 1, 2],
+        [3, 4],
+    ]
     tokens, most_in_flight = run_counting_steps_in_flight(llm, PROMPTS)
     assert tokens == hf_greedy(hf_5_layers, PROMPTS, MAX_TOKENS)
     assert most_in_flight == 2  # the batch queue kept both stages busy
@@ -137,8 +149,15 @@ def test_tp2_x_pp2_four_workers_equal_transformers(tiny_llama, hf_tiny_llama):
 def test_gemma2_stages_hand_on_hidden_states_only_and_equal_transformers(make_tiny_model):
     """Gemma's sandwich norms keep no separate residual: its stages send one tensor, and sliding-window and
     full-attention layers (two KV-cache groups) are spread over the stages."""
-    model_dir = make_tiny_model("Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
-                                attn_logit_softcapping=5.0, final_logit_softcapping=3.0, num_hidden_layers=4)
+    model_dir = make_tiny_model(
+        "Gemma2Config",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=12,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        num_hidden_layers=4,
+    )
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(model_dir, dtype="float32", pipeline_parallel_size=2, **{**STRESS, "num_gpu_blocks_override": 48})
     try:

@@ -1,4 +1,5 @@
 """The plugin contract: built-ins through the same hooks, entry points, selection and its errors."""
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,23 @@ from tests.helpers import hf_greedy
 
 
 def run_engine_cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_plugins_table_lists_every_builtin():
     result = run_engine_cli("plugins", "--json")
     assert result.returncode == 0, result.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)}
-    for key in [("attention", "torch"), ("executor", "uniproc"), ("kv_cache_coordinator", "no_prefix"),
-                ("kv_cache_coordinator", "unitary"), ("sampler", "default"), ("logits_processor", "min_tokens")]:
+    for key in [
+        ("attention", "torch"),
+        ("executor", "uniproc"),
+        ("kv_cache_coordinator", "no_prefix"),
+        ("kv_cache_coordinator", "unitary"),
+        ("sampler", "default"),
+        ("logits_processor", "min_tokens"),
+    ]:
         assert key in rows and rows[key]["available"] == "yes", rows
     assert rows[("executor", "uniproc")]["source"].startswith("engine-executor-uniproc")
     assert rows[("attention", "torch")]["source"] == "engine (built-in)"
@@ -92,14 +100,15 @@ def test_unknown_backend_fails_before_loading_weights(tiny_llama, monkeypatch):
 
 def test_wrong_executor_for_the_world_size(tiny_llama, monkeypatch):
     monkeypatch.setattr("engine.worker.model_runner.load_model", lambda *a, **k: pytest.fail("loaded weights"))
-    with pytest.raises(ConfigError, match="parallel.executor: executor 'uniproc' cannot run here: "
-                                          "tensor_parallel_size=2"):
+    with pytest.raises(
+        ConfigError, match="parallel.executor: executor 'uniproc' cannot run here: tensor_parallel_size=2"
+    ):
         LLM(tiny_llama, executor="uniproc", tensor_parallel_size=2)
 
 
 def test_coordinator_choice_follows_prefix_caching(tiny_llama):
+    from engine.engine_core.engine_core import select_plugins
     from engine.model.model_info import resolve_model
-    from engine.runtime.engine_core import select_plugins
 
     info = resolve_model(VllmConfig.load(model=tiny_llama).model)
     assert select_plugins(VllmConfig.load(model=tiny_llama), info)["kv_cache_coordinator"].name == "unitary"
@@ -120,9 +129,13 @@ def test_third_party_plugins_are_listed_and_refused_by_contract(plugin_env):
     result = run_engine_cli("plugins", "--json", env=plugin_env)
     assert result.returncode == 0, result.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)}
-    for kind, name in [("attention", "toy_attention"), ("executor", "toy_executor"),
-                       ("kv_cache_coordinator", "toy_coordinator"), ("sampler", "toy_sampler"),
-                       ("logits_processor", "toy_force")]:
+    for kind, name in [
+        ("attention", "toy_attention"),
+        ("executor", "toy_executor"),
+        ("kv_cache_coordinator", "toy_coordinator"),
+        ("sampler", "toy_sampler"),
+        ("logits_processor", "toy_force"),
+    ]:
         assert rows[(kind, name)]["source"] == "engine-toy-plugin 0.3.1"
         assert rows[(kind, name)]["available"] == "yes"
     assert rows[("attention", "toy_unavailable")]["reason"] == "toy-kernels library not installed"
@@ -153,8 +166,7 @@ again = [llm.generate([{{"prompt_token_ids": {prompts[1]!r}}}], seeded, use_tqdm
 assert again[0] == again[1], again
 print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "calls": dict(CALLS)}}))
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=plugin_env,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=plugin_env, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["tokens"][0] == [777] * 6  # the processor acted on the request that asked for it...

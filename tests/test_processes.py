@@ -1,4 +1,5 @@
 """Processes: EngineCoreProc over ZMQ, the three clients, AsyncLLM, multiproc executor, failures."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,8 @@ import pytest
 
 from engine import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from engine.config import VllmConfig
-from tests.helpers import assert_all_blocks_free, random_prompts
+from engine.testing import inspect
+from tests.helpers import assert_all_blocks_free, random_prompts, wait_for_async
 
 PROMPTS = random_prompts(6, (5, 60), seed=31)
 PARAMS = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=1.0, seed=9, max_tokens=10)] * 3
@@ -48,8 +50,11 @@ def wait_gone(timeout: float = 10.0) -> list[psutil.Process]:
 
 def test_sync_mp_client_equals_inproc(tiny_llama, inproc_reference):
     llm = LLM(tiny_llama, dtype="float32", engine_core_process=True)
-    assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient"
-    assert token_lists(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)) == inproc_reference
+    assert type(inspect(llm).client).__name__ == "SyncMPClient"
+    assert (
+        token_lists(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+        == inproc_reference
+    )
     assert_all_blocks_free(llm)
     llm.shutdown()
     assert wait_gone() == []
@@ -62,11 +67,13 @@ def test_async_mp_client_equals_inproc(tiny_llama, inproc_reference):
         # its core runs in a process of its own, and its config (and start-up log) says so
         assert engine.vllm_config.parallel.engine_core_process and not config.parallel.engine_core_process
         try:
+
             async def one(index):
                 final = None
                 async for output in engine.generate({"prompt_token_ids": PROMPTS[index]}, PARAMS[index], f"r{index}"):
                     final = output
                 return final.outputs[0].token_ids
+
             tokens = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
             stats = await engine.get_stats()
             return tokens, stats
@@ -79,15 +86,22 @@ def test_async_mp_client_equals_inproc(tiny_llama, inproc_reference):
     assert wait_gone() == []
 
 
-@pytest.mark.parametrize("config", [
-    {"async_scheduling": True},
-    {"async_scheduling": True, "num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96},
-    {"async_scheduling": True, "max_num_batched_tokens": 16},
-    {"async_scheduling": True, "executor": "multiproc"},
-], ids=["async", "async-preempt", "async-chunked", "async-multiproc"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"async_scheduling": True},
+        {"async_scheduling": True, "num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96},
+        {"async_scheduling": True, "max_num_batched_tokens": 16},
+        {"async_scheduling": True, "executor": "multiproc"},
+    ],
+    ids=["async", "async-preempt", "async-chunked", "async-multiproc"],
+)
 def test_async_scheduling_gives_the_same_outputs(tiny_llama, inproc_reference, config):
     llm = LLM(tiny_llama, dtype="float32", **config)
-    assert token_lists(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)) == inproc_reference
+    assert (
+        token_lists(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+        == inproc_reference
+    )
     assert_all_blocks_free(llm)
     if "num_gpu_blocks_override" in config:
         assert llm.get_stats().num_preemptions > 0
@@ -96,8 +110,12 @@ def test_async_scheduling_gives_the_same_outputs(tiny_llama, inproc_reference, c
 
 @pytest.mark.slow  # the real SmolLM2 weights
 def test_tensor_parallel_2_equals_1_on_smollm2():
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
-               "List three colors:"]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away,",
+        "List three colors:",
+    ]
     results = {}
     for tp in (1, 2):
         llm = LLM(dtype="float32", tensor_parallel_size=tp, kv_cache_memory="128MiB", max_model_len=1024)
@@ -116,18 +134,24 @@ def test_a_script_without_a_main_guard_runs_tensor_parallel_and_exits_cleanly(ti
     import sys
 
     script = tmp_path / "user_script.py"
+    params = [{"temperature": p.temperature, "seed": p.seed, "max_tokens": p.max_tokens} for p in PARAMS]
     script.write_text(f"""
 import json
 from engine import LLM, SamplingParams
 print("script body runs", flush=True)
 llm = LLM({tiny_llama!r}, dtype="float32", tensor_parallel_size=2, engine_core_process=True)
-outs = llm.generate([{{"prompt_token_ids": p}} for p in {PROMPTS!r}], [SamplingParams(**p) for p in {[
-        {"temperature": p.temperature, "seed": p.seed, "max_tokens": p.max_tokens} for p in PARAMS]!r}])
+outs = llm.generate([{{"prompt_token_ids": p}} for p in {PROMPTS!r}], [SamplingParams(**p) for p in {params!r}])
 print(json.dumps([o.outputs[0].token_ids for o in outs]))
 llm.shutdown()
 """)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines.count("script body runs") == 1  # not re-run by the engine core or either worker
@@ -138,7 +162,7 @@ llm.shutdown()
 
 def test_killed_worker_raises_engine_dead_and_leaves_no_process(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2)
-    workers = llm.llm_engine.engine_core.engine_core.executor.workers
+    workers = inspect(llm).executor.workers
     assert len(workers) == 2 and len(descendants()) >= 2
     engine = llm.llm_engine
     for prompt in PROMPTS:
@@ -161,12 +185,17 @@ def test_killed_worker_under_async_llm_fails_every_request(tiny_llama):
         workers = core.children()
         assert len(workers) >= 2
 
+        received = [0] * 4
+
         async def consume(index):
-            async for _ in engine.generate({"prompt_token_ids": PROMPTS[index]},
-                                           SamplingParams(max_tokens=500, ignore_eos=True), f"k{index}"):
+            async for _ in engine.generate(
+                {"prompt_token_ids": PROMPTS[index]}, SamplingParams(max_tokens=500, ignore_eos=True), f"k{index}"
+            ):
+                received[index] += 1
                 await asyncio.sleep(0)
+
         tasks = [asyncio.create_task(consume(i)) for i in range(4)]
-        await asyncio.sleep(1.0)
+        await wait_for_async(lambda: all(received), 60)  # every request under way, none near its 500 tokens
         workers[0].kill()
         start = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
@@ -205,9 +234,11 @@ def test_100_concurrent_requests_with_a_third_cancelled(tiny_llama):
 
         async def one(index):
             count = 0
-            async for output in engine.generate({"prompt_token_ids": prompts[index]},
-                                                SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8,
-                                                               seed=index), f"c{index}"):
+            async for output in engine.generate(  # noqa: B007 (the last one is read below)
+                {"prompt_token_ids": prompts[index]},
+                SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=index),
+                f"c{index}",
+            ):
                 count += 1
             return output
 

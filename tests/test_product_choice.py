@@ -1,5 +1,6 @@
 """Linear products chosen by measurement: the fastest candidate per shape and row bucket, the disk cache,
 `engine bench kernels`, the workload bound, noisy neighbours."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,15 @@ import pytest
 import torch
 
 from engine.model.layers import product_choice
-from engine.model.layers.product_choice import (ROW_BUCKETS, SWITCH_MARGIN, BucketedProduct, ProductCandidate,
-                                                ProductShape, bucketed_product, choose_products)
+from engine.model.layers.product_choice import (
+    ROW_BUCKETS,
+    SWITCH_MARGIN,
+    BucketedProduct,
+    ProductCandidate,
+    ProductShape,
+    bucketed_product,
+    choose_products,
+)
 from tests.test_bench import engine, is_png
 
 
@@ -35,8 +43,10 @@ class Recorded:
 
 def candidates(calls):
     # "small" is fast up to 8 rows and slow beyond; "large" the other way round
-    return [ProductCandidate("small", lambda w, b: Recorded("small", w, calls, lambda rows: 0 if rows <= 8 else 30)),
-            ProductCandidate("large", lambda w, b: Recorded("large", w, calls, lambda rows: 30 if rows <= 8 else 0))]
+    return [
+        ProductCandidate("small", lambda w, b: Recorded("small", w, calls, lambda rows: 0 if rows <= 8 else 30)),
+        ProductCandidate("large", lambda w, b: Recorded("large", w, calls, lambda rows: 30 if rows <= 8 else 0)),
+    ]
 
 
 def test_the_fastest_candidate_wins_each_bucket_and_layers_dispatch_by_rows(cache_home):
@@ -67,8 +77,15 @@ def test_one_candidate_everywhere_is_used_without_dispatch(cache_home):
     calls = []
     only = [candidates(calls)[1]]
     table = choose_products([ProductShape(32, 16)], only, torch.float32, torch.float32)
-    product = bucketed_product(table.choices["32x16"], {c.name: c for c in only}, torch.randn(32, 16), None)
-    assert isinstance(product, Recorded)
+    assert set(table.choices["32x16"].chosen.values()) == {"large"}
+    weight = torch.randn(32, 16)
+    product = bucketed_product(table.choices["32x16"], {c.name: c for c in only}, weight, None)
+    assert isinstance(product, Recorded) and product.weight is weight  # the candidate's own product, no wrapper
+    calls.clear()
+    for rows in (1, 9, 300):  # every bucket's row count runs it, and it computes x @ w.T
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(product(x), x @ weight.T)
+    assert calls == ["large"] * 3
 
 
 def test_the_choice_is_cached_on_disk_and_measured_again_on_request(cache_home, monkeypatch):
@@ -109,9 +126,15 @@ def test_a_candidate_that_cannot_run_here_is_left_out(cache_home):
     def refuses(weight, bias):
         raise RuntimeError("this CPU lacks the instructions")
 
-    table = choose_products([ProductShape(16, 16)], [ProductCandidate("refuses", refuses), *candidates([])],
-                            torch.float32, torch.float32)
-    assert all("refuses" not in g for g in table.choices["16x16"].gflops.values())
+    table = choose_products(
+        [ProductShape(16, 16)], [ProductCandidate("refuses", refuses), *candidates([])], torch.float32, torch.float32
+    )
+    choice = table.choices["16x16"]
+    # every bucket was measured, on the candidates that can run, and one of them was chosen
+    assert set(choice.gflops) == {bucket.name for bucket in ROW_BUCKETS}
+    assert all(set(rates) == {"small", "large"} and min(rates.values()) > 0 for rates in choice.gflops.values())
+    assert set(choice.chosen) == {bucket.name for bucket in ROW_BUCKETS}
+    assert set(choice.chosen.values()) <= {"small", "large"}
 
 
 def test_loaded_models_use_the_measured_products_and_the_kernel_cache_flag(cache_home, tiny_llama, caplog):
@@ -141,8 +164,10 @@ def test_native_16bit_products_match_the_reference_where_the_cpu_has_them():
     from engine.model.layers.gemm import PackedHalfLinear, PlainProduct, cpu_has_half_gemm
 
     if not cpu_has_half_gemm(torch.bfloat16):
-        pytest.skip(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 GEMM "
-                    "(AVX-512-BF16 / AMX / AVX-NE-CONVERT)")
+        pytest.skip(
+            f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 GEMM "
+            "(AVX-512-BF16 / AMX / AVX-NE-CONVERT)"
+        )
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16()
@@ -152,7 +177,7 @@ def test_native_16bit_products_match_the_reference_where_the_cpu_has_them():
         for product in (PackedHalfLinear(weight, bias, torch.bfloat16), PlainProduct(weight, bias, torch.bfloat16)):
             out = product(x)
             assert out.dtype == torch.bfloat16
-            assert (out.float() - expected).abs().max() <= expected.abs().max() * 2 ** -6
+            assert (out.float() - expected).abs().max() <= expected.abs().max() * 2**-6
 
 
 def test_cpu_gemm_gives_the_same_bits_whatever_the_threads():
@@ -195,7 +220,7 @@ def test_bench_kernels_prints_and_writes_the_table(tiny_llama, tmp_path):
 
 
 def test_workload_bound_counts_the_flops(tiny_llama):
-    from engine.bench.kernels import measure_products, workload_bound
+    from engine_bench.kernels import measure_products, workload_bound
 
     report = measure_products({"model": {"model": tiny_llama, "dtype": "float32"}})
     hf = report.hf_config
@@ -215,7 +240,7 @@ def test_workload_bound_counts_the_flops(tiny_llama):
 
 
 def test_noisy_neighbours_run_during_the_block_and_end_with_it():
-    from engine.bench.neighbours import noisy_neighbours
+    from engine_bench.neighbours import noisy_neighbours
 
     with pytest.raises(KeyboardInterrupt):
         with noisy_neighbours(2) as procs:

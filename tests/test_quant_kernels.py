@@ -1,6 +1,7 @@
 """Quantized weights: the packed formats against llama.cpp's layout (gguf-py de-quantizes our blocks to our values),
 and the ``cpu`` plugin's products on them against de-quantize-then-multiply, for every block type, shape remainder
 and ISA variant this CPU has (the others skip, naming the missing instructions)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,12 +10,22 @@ import numpy as np
 import pytest
 import torch
 
-from engine.quantization.formats import (BLOCK_BYTES, FORMATS, QuantizedWeight, cat_rows, dequantize, quantize,
-                                         quantize_activations, reference_product)
+from engine.model.quant_formats import (
+    BLOCK_BYTES,
+    FORMATS,
+    QuantizedWeight,
+    cat_rows,
+    dequantize,
+    quantize,
+    quantize_activations,
+    reference_product,
+)
 
 GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")
-HAS_QUANT = (importlib.util.find_spec("engine_attention_cpu") is not None
-             and importlib.util.find_spec("engine_attention_cpu._quant") is not None)
+HAS_QUANT = (
+    importlib.util.find_spec("engine_attention_cpu") is not None
+    and importlib.util.find_spec("engine_attention_cpu._quant") is not None
+)
 ALL_VARIANTS = ("scalar", "avx2", "avx512vnni")
 
 
@@ -61,8 +72,9 @@ def test_narrow_and_stack_follow_rows_and_whole_blocks():
         dense = dequantize(packed)
         assert torch.equal(dequantize(packed.narrow(0, 3, 4)), dense[3:7])
         assert torch.equal(dequantize(packed.narrow(1, 32, 64)), dense[:, 32:96])
-        assert torch.equal(dequantize(cat_rows([packed.narrow(0, 0, 2), packed.narrow(0, 5, 5)])),
-                           torch.cat([dense[:2], dense[5:]]))
+        assert torch.equal(
+            dequantize(cat_rows([packed.narrow(0, 0, 2), packed.narrow(0, 5, 5)])), torch.cat([dense[:2], dense[5:]])
+        )
         assert torch.equal(dequantize(packed.index_rows(torch.tensor([9, 0, 4]))), dense[[9, 0, 4]])
         if fmt != "int8":
             with pytest.raises(ValueError, match="whole blocks"):
@@ -131,7 +143,7 @@ def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
     weight = quantize(_weight(70, 256), "q4_1")
     x = torch.randn(7, 256)
     together = QuantDotProduct(weight, None, variant)(x)
-    alone = torch.cat([QuantDotProduct(weight, None, variant)(x[i:i + 1]) for i in range(7)])
+    alone = torch.cat([QuantDotProduct(weight, None, variant)(x[i : i + 1]) for i in range(7)])
     assert torch.equal(together, alone)
     scalar = QuantDotProduct(weight, None, "scalar")(x)
     assert torch.allclose(together, scalar, rtol=1e-5, atol=1e-5)
@@ -141,7 +153,8 @@ def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantized_gemm_and_cpp_dequantize_equal_the_reference(fmt):
     from engine_attention_cpu.gemm import cpu_gemm_available
-    from engine_attention_cpu.quant import DequantizedGemmProduct, dequantize as cpp_dequantize
+    from engine_attention_cpu.quant import DequantizedGemmProduct
+    from engine_attention_cpu.quant import dequantize as cpp_dequantize
 
     k = 70 if fmt == "int8" else 96
     weight = quantize(_weight(37, k), fmt)

@@ -2,6 +2,7 @@
 and greedy decoding with quantized weights against the de-quantized model (top-5 agreement at every step, the
 way vLLM compares quantized models: once two greedy sequences part, each side's token must be in the other's
 top-5 at that step, and the comparison of that sequence stops there)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,15 @@ from engine.config import ConfigError, VllmConfig
 from engine.interfaces.base import SelectionContext
 from engine.model.model_info import resolve_model
 from engine.plugins import get_plugin_manager
+from engine.testing import inspect
 from tests.helpers import assert_all_blocks_free
 
 
 def _select(model=None, quantization="auto"):
     config = VllmConfig.load(model=model, quantization=quantization)
-    return get_plugin_manager().select("quantization", quantization, SelectionContext(config, resolve_model(config.model)))
+    return get_plugin_manager().select(
+        "quantization", quantization, SelectionContext(config, resolve_model(config.model))
+    )
 
 
 def test_auto_keeps_float_weights_and_gguf_is_chosen_by_name(tiny_llama):
@@ -26,8 +30,11 @@ def test_auto_keeps_float_weights_and_gguf_is_chosen_by_name(tiny_llama):
     assert _select(quantization="gguf").name == "gguf"
     assert _select(tiny_llama).name == "none"
     assert _select(tiny_llama, "int8").name == "int8"
-    with pytest.raises(ConfigError, match=r"model.quantization: quantization 'gguf' cannot run here: the model is not "
-                                          r"a GGUF file.*Names that would work: \['int8', 'none', 'auto'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.quantization: quantization 'gguf' cannot run here: the model is not "
+        r"a GGUF file.*Names that would work: \['int8', 'none', 'auto'\]",
+    ):
         _select(tiny_llama, "gguf")
     with pytest.raises(ConfigError, match=r"unknown quantization 'awq'; choices: \['gguf', 'int8', 'none', 'auto'\]"):
         _select(tiny_llama, "awq")
@@ -53,7 +60,7 @@ def _generate(llm, prompts, steps):
 
 
 def _quantized_modules(llm):
-    model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    model = inspect(llm).model
     return {name: m.quant_weight for name, m in model.named_modules() if getattr(m, "quant_weight", None) is not None}
 
 
@@ -89,9 +96,9 @@ def test_int8_decodes_like_the_float_model(tiny_llama, layer_kernels):
 def test_gguf_q4_1_keeps_blocks_packed_and_agrees_with_the_dequantized_model():
     """SmolLM2's Q4_1 GGUF: every linear weight and the tied Q8_0 embedding stay packed (no float copy), and greedy
     decoding on the packed weights agrees with the same file de-quantized at load on the parity prompts."""
-    from tests.test_parity_smollm2 import OTHERS, PREAMBLE, QUESTIONS
     from engine.config import ModelConfig
     from engine.model.tokenizer import get_tokenizer
+    from tests.test_parity_smollm2 import OTHERS, PREAMBLE, QUESTIONS
 
     tok = get_tokenizer(resolve_model(ModelConfig()))
     prompts = [tok.encode(PREAMBLE + q) for q in QUESTIONS] + [tok.encode(p) for p in OTHERS]
@@ -104,14 +111,16 @@ def test_gguf_q4_1_keeps_blocks_packed_and_agrees_with_the_dequantized_model():
     assert {w.format for name, w in packed.items() if "layers" in name} == {"q4_1"}
     assert packed["model.embed_tokens"].format == "q8_0"
     assert len([n for n in packed if n.endswith("qkv_proj")]) == 30
-    model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    model = inspect(llm).model
     float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert float_bytes < 1 << 20  # only the norms remain float
     steps, parted = _top5_agreement(expected, _generate(llm, prompts, 32))
     # the activations are quantized to int8 in the products, as llama.cpp does: greedy sequences part where two
     # logits are close (5 of 8 within 32 tokens here, 205 of 256 steps equal), always within each other's top-5
-    print(f"gguf q4_1 against the de-quantized model: {parted} of {len(prompts)} greedy sequences parted "
-          f"({steps} steps compared)")
+    print(
+        f"gguf q4_1 against the de-quantized model: {parted} of {len(prompts)} greedy sequences parted "
+        f"({steps} steps compared)"
+    )
     assert steps >= len(prompts) * 32 // 2
     assert_all_blocks_free(llm)
     llm.shutdown()

@@ -1,4 +1,5 @@
 """The default sampler and the built-in logits processors on fixed distributions (statistical tests)."""
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,12 @@ def sample(temperature=1.0, top_k=None, top_p=None, rows=ROWS, seeds=None, outpu
         temperature=torch.full((rows,), temperature),
         top_k=None if top_k is None else torch.full((rows,), top_k),
         top_p=None if top_p is None else torch.full((rows,), top_p),
-        all_greedy=temperature == 0, all_random=temperature > 0,
-        seeds=seed_column if seeds else None, seeded=seeded if seeds else None,
-        output_index=torch.full((rows,), output_index) if seeds else None)
+        all_greedy=temperature == 0,
+        all_random=temperature > 0,
+        seeds=seed_column if seeds else None,
+        seeded=seeded if seeds else None,
+        output_index=torch.full((rows,), output_index) if seeds else None,
+    )
     return DefaultSampler(VllmConfig.load())(logits, metadata).sampled_token_ids
 
 
@@ -111,12 +115,22 @@ def test_penalties_touch_only_seen_tokens_and_equal_the_dense_formula():
 
     gen = torch.Generator().manual_seed(5)
     vocab, n = 300, 12
-    params = [SamplingParams(presence_penalty=0.5 * (i % 3), frequency_penalty=0.3 * (i % 2) - 0.1,
-                             repetition_penalty=[1.0, 1.3, 0.8][i % 3] if i % 4 else 1.2) for i in range(n)]
-    prompts = [torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(n)]
-    outputs = [torch.randint(0, 50, (int(torch.randint(0, 30, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(n)]
+    params = [
+        SamplingParams(
+            presence_penalty=0.5 * (i % 3),
+            frequency_penalty=0.3 * (i % 2) - 0.1,
+            repetition_penalty=[1.0, 1.3, 0.8][i % 3] if i % 4 else 1.2,
+        )
+        for i in range(n)
+    ]
+    prompts = [
+        torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
+    outputs = [
+        torch.randint(0, 50, (int(torch.randint(0, 30, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
     batch = LogitsBatch.from_requests(params, prompts, outputs)
     batch.rows = torch.randperm(n + 3, generator=gen)[:n]  # rows spread over a larger logits matrix
     logits = torch.randn(n + 3, vocab, generator=gen)

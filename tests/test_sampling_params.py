@@ -1,4 +1,5 @@
 """SamplingParams end to end on a tiny Llama: logprobs, penalties, biases, stop strings, n > 1, seeds."""
+
 from __future__ import annotations
 
 import pytest
@@ -81,9 +82,15 @@ def test_prompt_logprobs_match_transformers(tiny_llama, hf_tiny_llama, chunk):
 def test_repetition_penalty_matches_transformers(llm, hf_tiny_llama):
     out = generate(llm, PROMPTS[:2], temperature=0, max_tokens=12, repetition_penalty=1.8)
     for prompt, result in zip(PROMPTS[:2], out):
-        ref = hf_tiny_llama.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                     repetition_penalty=1.8, eos_token_id=2, pad_token_id=2)[0, len(prompt):].tolist()
-        ref = ref[:ref.index(2) + 1] if 2 in ref else ref
+        ref = hf_tiny_llama.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.8,
+            eos_token_id=2,
+            pad_token_id=2,
+        )[0, len(prompt) :].tolist()
+        ref = ref[: ref.index(2) + 1] if 2 in ref else ref
         assert result.outputs[0].token_ids == ref
 
 
@@ -93,14 +100,16 @@ def test_frequency_and_presence_penalties_follow_their_formula(llm, hf_tiny_llam
         return logits - 0.9 * counts - 1.2 * (counts > 0)
 
     prompt = PROMPTS[1]
-    result = generate(llm, [prompt], temperature=0, max_tokens=10, frequency_penalty=0.9, presence_penalty=1.2,
-                      ignore_eos=True)[0]
+    result = generate(
+        llm, [prompt], temperature=0, max_tokens=10, frequency_penalty=0.9, presence_penalty=1.2, ignore_eos=True
+    )[0]
     assert result.outputs[0].token_ids == reference_greedy(hf_tiny_llama, prompt, 10, adjust)
 
 
 def test_logit_bias_allowed_tokens_and_bad_words(llm):
-    assert set(generate(llm, PROMPTS[:2], temperature=0, max_tokens=5, logit_bias={4242: 100.0})[0]
-               .outputs[0].token_ids) == {4242}
+    assert set(
+        generate(llm, PROMPTS[:2], temperature=0, max_tokens=5, logit_bias={4242: 100.0})[0].outputs[0].token_ids
+    ) == {4242}
     allowed = [500, 600, 700]
     for result in generate(llm, PROMPTS, temperature=1.0, max_tokens=8, allowed_token_ids=allowed, seed=0):
         assert set(result.outputs[0].token_ids) <= set(allowed)
@@ -116,17 +125,23 @@ def test_stop_strings_span_tokens_and_free_blocks(llm):
     tok = llm.get_tokenizer()
     pieces = [tok.decode(plain.token_ids[:i]) for i in range(len(plain.token_ids) + 1)]
     # a stop string from the middle of one token's text into the next token's
-    cut = next(i for i in range(2, len(pieces) - 1)
-               if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) > len(pieces[i]))
+    cut = next(
+        i
+        for i in range(2, len(pieces) - 1)
+        if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) > len(pieces[i])
+    )
     start = len(pieces[cut - 1]) + 1
-    stop = plain.text[start:len(pieces[cut]) + 1]
+    stop = plain.text[start : len(pieces[cut]) + 1]
     assert stop and plain.text.find(stop) == start
-    out = generate(llm, PROMPTS[:1], temperature=0, max_tokens=20, ignore_eos=True, stop=[stop, "zzzz-never"])[0].outputs[0]
+    out = generate(llm, PROMPTS[:1], temperature=0, max_tokens=20, ignore_eos=True, stop=[stop, "zzzz-never"])[
+        0
+    ].outputs[0]
     assert out.text == plain.text[:start] and out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.token_ids == plain.token_ids[:cut + 1]  # generation ended on the token completing the stop
-    kept = generate(llm, PROMPTS[:1], temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
-                    include_stop_str_in_output=True)[0].outputs[0]
-    assert kept.text == plain.text[:start + len(stop)]
+    assert out.token_ids == plain.token_ids[: cut + 1]  # generation ended on the token completing the stop
+    kept = generate(
+        llm, PROMPTS[:1], temperature=0, max_tokens=20, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+    )[0].outputs[0]
+    assert kept.text == plain.text[: start + len(stop)]
     assert_all_blocks_free(llm)
 
 
@@ -148,8 +163,9 @@ def test_n_sequences_share_the_prompt_blocks(tiny_llama):
     assert outputs.finished and [c.index for c in outputs.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 8 for c in outputs.outputs)
     assert len({tuple(c.token_ids) for c in outputs.outputs}) > 1
-    again = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=5),
-                         use_tqdm=False)[0]
+    again = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=5), use_tqdm=False
+    )[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outputs.outputs]  # seeded per sequence
     assert_all_blocks_free(llm)
 
@@ -169,12 +185,15 @@ def test_seeded_request_alone_and_in_a_batch_of_16(llm):
     assert batch[7].outputs[0].token_ids == alone
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"logit_bias": {49152: 1.0}}, "logit_bias"),
-    ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"prompt_logprobs": 50}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"logit_bias": {49152: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": 50}, "prompt_logprobs"),
+    ],
+)
 def test_model_dependent_validation(llm, kwargs, field):
     with pytest.raises(InvalidParameterError, match=f"SamplingParams.{field}") as info:
         generate(llm, PROMPTS[:1], **kwargs)
@@ -182,13 +201,22 @@ def test_model_dependent_validation(llm, kwargs, field):
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"min_p": 1.5}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"stop": [""]}, "stop"), ({"stop": "x", "detokenize": False}, "stop"), ({"logprobs": -1}, "logprobs"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"bad_words": [""]}, "bad_words"), ({"n": 0}, "n"),
-    ({"logit_bias": {"a": 1}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": "x", "detokenize": False}, "stop"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"n": 0}, "n"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ],
+)
 def test_field_validation(kwargs, field):
     with pytest.raises(InvalidParameterError, match=f"SamplingParams.{field}") as info:
         SamplingParams(**kwargs)

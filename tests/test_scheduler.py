@@ -1,4 +1,5 @@
 """Scheduler: token budget, chunked prefill, preemption, stop rules, abort — with a fake runner."""
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,10 @@ def step(scheduler, token=5):
     """Schedule, then 'sample' ``token`` for every request that reached the end of its tokens."""
     out = scheduler.schedule()
     req_ids = list(out.num_scheduled_tokens)
-    sampled = [[token] if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens else []
-               for r in req_ids]
+    sampled = [
+        [token] if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens else []
+        for r in req_ids
+    ]
     return out, scheduler.update_from_output(out, ModelRunnerOutput(req_ids, sampled))
 
 
@@ -66,7 +69,10 @@ def test_max_num_seqs():
 
 def test_preemption_by_recompute_and_resume():
     scheduler = make_scheduler(num_blocks=8, max_model_len=32)
-    a, b = add(scheduler, "a", 8, max_tokens=12, ignore_eos=True), add(scheduler, "b", 8, max_tokens=12, ignore_eos=True)
+    a, b = (
+        add(scheduler, "a", 8, max_tokens=12, ignore_eos=True),
+        add(scheduler, "b", 8, max_tokens=12, ignore_eos=True),
+    )
     for _ in range(9):  # after 9 steps both hold 4 blocks (16 slots) and all 8 are taken
         out, _ = step(scheduler)
     assert b.status == RequestStatus.RUNNING
@@ -93,8 +99,9 @@ def test_async_scheduling_stops_scheduling_at_max_tokens_counting_steps_in_fligh
     assert first.num_scheduled_tokens == {"a": 5} and second.num_scheduled_tokens == {"a": 1}
     assert third.num_scheduled_tokens == {}
     for out in (first, second, third):
-        scheduler.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens),
-                                                            [[7]] * len(out.num_scheduled_tokens)))
+        scheduler.update_from_output(
+            out, ModelRunnerOutput(list(out.num_scheduled_tokens), [[7]] * len(out.num_scheduled_tokens))
+        )
     assert not scheduler.has_unfinished_requests()
 
 

@@ -1,4 +1,5 @@
 """`engine serve` end to end: a subprocess on a loopback port, driven by the official openai client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,20 @@ MODEL_NAME = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = Server("--model", tiny_llama, "--served-model-name", MODEL_NAME, "--dtype", "float32",
-                 "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--max-num-seqs", "128")
+    srv = Server(
+        "--model",
+        tiny_llama,
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "128",
+    )
     yield srv
     srv.stop()
 
@@ -35,9 +48,25 @@ def metric(server, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def test_version_answers_the_installed_engine_version(monkeypatch):
+    """/version reads the package's version, which comes from the installed distribution's metadata."""
+    import asyncio
+    import importlib.metadata
+
+    import engine
+    from engine.entrypoints.openai.routers import health
+
+    assert engine.__version__ == importlib.metadata.version("engine")
+    monkeypatch.setattr(engine, "__version__", "9.9.9+test")
+    assert asyncio.run(health.version()) == {"version": "9.9.9+test"}
+
+
 def test_models_version_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
-    assert httpx.get(server.url + "/version").json()["version"]
+    import importlib.metadata
+
+    # the installed distribution's version, as vLLM's /version answers (not a constant of the handler)
+    assert httpx.get(server.url + "/version").json() == {"version": importlib.metadata.version("engine")}
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -45,14 +74,18 @@ def test_completion_and_usage(client):
     out = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=7, temperature=0)
     assert out.choices[0].finish_reason == "length" and out.choices[0].text
     assert out.usage.completion_tokens == 7 and out.usage.total_tokens == out.usage.prompt_tokens + 7
-    batch = client.completions.create(model=MODEL_NAME, prompt=["Hello there", "Good morning"], max_tokens=3,
-                                      temperature=0)
-    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == out.choices[0].text[:len(batch.choices[0].text)]
+    batch = client.completions.create(
+        model=MODEL_NAME, prompt=["Hello there", "Good morning"], max_tokens=3, temperature=0
+    )
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == out.choices[0].text[
+        : len(batch.choices[0].text)
+    ]
 
 
 def test_chat_completion(client, server):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                         max_completion_tokens=5, temperature=0)
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5, temperature=0
+    )
     assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 5
     tokens = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert tokens["count"] == out.usage.prompt_tokens
@@ -61,11 +94,19 @@ def test_chat_completion(client, server):
 
 
 def test_streaming_with_usage_equals_non_streaming(client):
-    full = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "tell me"}],
-                                          max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "tell me"}],
-                                                 max_tokens=12, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    full = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "tell me"}], max_tokens=12, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "tell me"}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -77,17 +118,23 @@ def test_streaming_with_usage_equals_non_streaming(client):
 def test_stop_n_logprobs_seed(client):
     base = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=12, temperature=0)
     text = base.choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     stopped = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=12, temperature=0, stop=[stop])
-    assert stopped.choices[0].text == text[:text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)] and stopped.choices[0].finish_reason == "stop"
 
     two = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=6, n=2, temperature=1.0, seed=4)
     assert sorted(c.index for c in two.choices) == [0, 1] and two.usage.completion_tokens == 12
     again = client.completions.create(model=MODEL_NAME, prompt="Once upon", max_tokens=6, n=2, temperature=1.0, seed=4)
     assert [c.text for c in again.choices] == [c.text for c in two.choices]
 
-    logprobs = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
-                                              max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    logprobs = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = logprobs.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy takes the most likely
@@ -95,18 +142,25 @@ def test_stop_n_logprobs_seed(client):
     assert len(comp.choices[0].logprobs.token_logprobs) == 3 and len(comp.choices[0].logprobs.top_logprobs[0]) == 2
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": 5}, 400, "top_p"),
-    ({"prompt": "hi", "model": "nope"}, 404, "model"),
-    ({"prompt": [5] * 600}, 400, None),
-    ({"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
-    ({"max_tokens": 3}, 400, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 5}, 400, "top_p"),
+        ({"prompt": "hi", "model": "nope"}, 404, "model"),
+        ({"prompt": [5] * 600}, 400, None),
+        ({"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+        ({"max_tokens": 3}, 400, "prompt"),
+    ],
+)
 def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, client, body, status, param):
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     response = httpx.post(server.url + "/v1/completions", timeout=30, **kwargs)
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -116,14 +170,23 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, client, 
     assert client.completions.create(model=MODEL_NAME, prompt="still up?", max_tokens=2).usage.completion_tokens == 2
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "hi", "max_token": 3}, "max_token"),  # misspelt: never fails open
-    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "functions": [{"name": "f"}]}, "functions"),  # OpenAI's legacy field: use tools
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"usage": 1}},
-     "stream_options.usage"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_token": 3}, "max_token"),  # misspelt: never fails open
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+            "functions",
+        ),  # OpenAI's legacy field: use tools
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"usage": 1}},
+            "stream_options.usage",
+        ),
+    ],
+)
 def test_unknown_fields_answer_400_naming_them(server, path, body, param):
     response = httpx.post(server.url + path, json={"max_tokens": 2, **body}, timeout=30)
     assert response.status_code == 400, response.text
@@ -132,9 +195,17 @@ def test_unknown_fields_answer_400_naming_them(server, path, body, param):
 
 
 def test_openai_fields_without_effect_are_accepted(client, server):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                         temperature=0, user="u1", metadata={"k": "v"}, store=False,
-                                         service_tier="auto", parallel_tool_calls=False)
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        temperature=0,
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        parallel_tool_calls=False,
+    )
     assert out.usage.completion_tokens == 2
     out = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, user="u1")
     assert out.usage.completion_tokens == 2
@@ -145,23 +216,35 @@ def test_chat_roles_are_checked(server):
     error = bad.json()["error"]
     assert bad.status_code == 400 and error["param"] == "messages.0.role" and "'wizard'" in error["message"]
     for role in ("system", "developer"):
-        ok = httpx.post(server.url + "/v1/chat/completions", json={
-            "messages": [{"role": role, "content": "be brief"}, {"role": "user", "content": "x"}], "max_tokens": 1})
+        ok = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={
+                "messages": [{"role": role, "content": "be brief"}, {"role": "user", "content": "x"}],
+                "max_tokens": 1,
+            },
+        )
         assert ok.status_code == 200, ok.text
 
 
 def test_chat_errors(server):
     bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
-    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                                 "top_logprobs": 3})
+    bad = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
 
 
 def test_concurrent_streams_and_disconnects_leave_no_kv_in_use(server):
     async def stream(index: int, disconnect: bool) -> int:
-        body = {"model": MODEL_NAME, "prompt": f"request {index} says", "max_tokens": 40 if disconnect else 16,
-                "temperature": 0.7, "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": f"request {index} says",
+            "max_tokens": 40 if disconnect else 16,
+            "temperature": 0.7,
+            "stream": True,
+            "ignore_eos": True,
+        }
         chunks = 0
         async with httpx.AsyncClient(timeout=120) as http:
             async with http.stream("POST", server.url + "/v1/completions", json=body) as response:
@@ -180,8 +263,9 @@ def test_concurrent_streams_and_disconnects_leave_no_kv_in_use(server):
     results = asyncio.run(run())
     assert all(r >= 16 for r in results[:64]) and all(r == -1 for r in results[64:])
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and (metric(server, "engine_kv_cache_usage_perc") > 0
-                                           or metric(server, "engine_num_requests_running") > 0):
+    while time.monotonic() < deadline and (
+        metric(server, "engine_kv_cache_usage_perc") > 0 or metric(server, "engine_num_requests_running") > 0
+    ):
         time.sleep(0.2)
     assert metric(server, "engine_kv_cache_usage_perc") == 0.0
     assert metric(server, "engine_num_requests_running") == 0.0
@@ -191,9 +275,11 @@ def test_concurrent_streams_and_disconnects_leave_no_kv_in_use(server):
 
 def test_yaml_config_and_flag_override(tiny_llama, tmp_path):
     config = tmp_path / "deploy.yaml"
-    config.write_text(f"model:\n  model: {tiny_llama}\n  served_model_name: from-yaml\n  dtype: float32\n"
-                      "cache:\n  kv_cache_memory: 32MiB\n  block_size: 32\nattention:\n  backend: torch\n"
-                      "scheduler:\n  max_num_batched_tokens: 256\n")
+    config.write_text(
+        f"model:\n  model: {tiny_llama}\n  served_model_name: from-yaml\n  dtype: float32\n"
+        "cache:\n  kv_cache_memory: 32MiB\n  block_size: 32\nattention:\n  backend: torch\n"
+        "scheduler:\n  max_num_batched_tokens: 256\n"
+    )
     srv = Server("--config", str(config), "--max-num-batched-tokens", "128", "--api-key", "sekret")
     try:
         log = srv.output()
@@ -220,47 +306,96 @@ def test_engine_that_cannot_start_exits_non_zero_with_one_clear_line(tiny_llama)
 
 
 # ---- structured outputs and tool calls (the tiny model: outputs are random, constraints still hold) ----------
-DIGIT_SCHEMA = {"type": "object", "properties": {"digit": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                 "unit": {"enum": ["cm", "in"]}}, "required": ["digit", "unit"]}
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-                                                 "parameters": {"type": "object", "properties": {
-                                                     "city": {"enum": ["Paris", "Oslo"]},
-                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                                                     "required": ["city", "days"]}}}
+DIGIT_SCHEMA = {
+    "type": "object",
+    "properties": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}, "unit": {"enum": ["cm", "in"]}},
+    "required": ["digit", "unit"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
 
 
 def test_response_format_json_schema_and_structured_outputs(client):
     import jsonschema
 
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "measure"}], max_tokens=64, temperature=1.0,
-        response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": DIGIT_SCHEMA}})
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "measure"}],
+        max_tokens=64,
+        temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": DIGIT_SCHEMA}},
+    )
     assert response.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(response.choices[0].message.content), DIGIT_SCHEMA)
-    completion = client.completions.create(model=MODEL_NAME, prompt="pick", max_tokens=16, temperature=1.0, n=4,
-                                           extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    completion = client.completions.create(
+        model=MODEL_NAME,
+        prompt="pick",
+        max_tokens=16,
+        temperature=1.0,
+        n=4,
+        extra_body={"structured_outputs": {"choice": ["left", "right"]}},
+    )
     assert {c.text for c in completion.choices} <= {"left", "right"}
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, "structured_outputs", "xgrammar"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "xgrammar"),
-    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs", "uniqueItems"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
-    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
-    ({"tools": [WEATHER_TOOL]}, "tool_choice", "--tool-call-parser"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "nope"),
-    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"structured_outputs": {"json": json.loads('{"type": "array", "items": ' * 300 + '{}' + '}' * 300)}},
-     "structured_outputs.json", "deeper than 128"),
-    ({"structured_outputs": {"json": '{"items": ' * 5000 + '{}' + '}' * 5000}}, "structured_outputs.json",
-     "deeper than 128"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+                    },
+                }
+            },
+            "structured_outputs",
+            "xgrammar",
+        ),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "xgrammar"),
+        ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs", "uniqueItems"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"tools": [WEATHER_TOOL]}, "tool_choice", "--tool-call-parser"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "nope",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"structured_outputs": {"json": json.loads('{"type": "array", "items": ' * 300 + "{}" + "}" * 300)}},
+            "structured_outputs.json",
+            "deeper than 128",
+        ),
+        (
+            {"structured_outputs": {"json": '{"items": ' * 5000 + "{}" + "}" * 5000}},
+            "structured_outputs.json",
+            "deeper than 128",
+        ),
+    ],
+)
 def test_bad_constraints_and_tool_choices_answer_400(server, body, param, words):
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
@@ -270,9 +405,14 @@ def test_named_tool_choice_returns_valid_tool_calls_streamed_and_not(client):
     import jsonschema
 
     schema = WEATHER_TOOL["function"]["parameters"]
-    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], max_tokens=64,
-                  temperature=1.0, tools=[WEATHER_TOOL],
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kwargs = dict(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "weather?"}],
+        max_tokens=64,
+        temperature=1.0,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     message = client.chat.completions.create(**kwargs).choices[0].message
     assert message.content is None and len(message.tool_calls) == 1
     call = message.tool_calls[0]

@@ -9,6 +9,7 @@ The sceptic's questions, each a test:
 - does every KV block come back (rejected-token rollbacks, aborts)?
 - are the combinations that cannot work refused at start-up?
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,6 +23,7 @@ from engine.spec_decode.dynamic import SpeculationPolicy
 from engine.spec_decode.ngram import find_ngram_continuation
 from engine.spec_decode.rejection_sampler import rejection_sample
 from engine.spec_decode.suffix_tree import SuffixTrie, draft_from
+from engine.testing import inspect
 from engine.testing.models import random_prompts
 from tests.helpers import assert_all_blocks_free, oracle_spec_config
 
@@ -34,16 +36,28 @@ def _draft_distributions(p0: torch.Tensor, vocab: int) -> dict[str, torch.Tensor
     dense = torch.rand(vocab, generator=generator) ** 3
     missing = p0.clone()
     missing[p0.argmax()] = 0  # q puts nothing where p has the most
-    return {"point mass (ngram, suffix)": None, "dense random": dense / dense.sum(), "equal to p": p0.clone(),
-            "zero where p peaks": missing / missing.sum(), "uniform": torch.full((vocab,), 1.0 / vocab)}
+    return {
+        "point mass (ngram, suffix)": None,
+        "dense random": dense / dense.sum(),
+        "equal to p": p0.clone(),
+        "zero where p peaks": missing / missing.sum(),
+        "uniform": torch.full((vocab,), 1.0 / vocab),
+    }
 
 
-@pytest.mark.parametrize("draft", ["point mass (ngram, suffix)", "dense random", "equal to p", "zero where p peaks",
-                                   "uniform"])
+@pytest.mark.parametrize(
+    "draft", ["point mass (ngram, suffix)", "dense random", "equal to p", "zero where p peaks", "uniform"]
+)
 def test_rejection_sampling_keeps_the_target_distribution(draft):
     vocab, rows = 6, 60000
-    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.07, 0.03], [0.05, 0.05, 0.50, 0.10, 0.20, 0.10],
-                      [0.30, 0.30, 0.10, 0.10, 0.10, 0.10]], dtype=torch.float64)
+    p = torch.tensor(
+        [
+            [0.40, 0.25, 0.15, 0.10, 0.07, 0.03],
+            [0.05, 0.05, 0.50, 0.10, 0.20, 0.10],
+            [0.30, 0.30, 0.10, 0.10, 0.10, 0.10],
+        ],
+        dtype=torch.float64,
+    )
     q0 = _draft_distributions(p[0], vocab)[draft]
     q = None if q0 is None else torch.stack([q0, q0.roll(1)])
     generator = torch.Generator().manual_seed(11)
@@ -53,13 +67,20 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
         drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=generator) for j in (0, 1)], 1)
     bonus = torch.multinomial(p[2], rows, replacement=True, generator=generator)
     target = torch.stack([torch.zeros(rows, dtype=torch.int64)] * 2 + [bonus], 1)  # argmax unused: no greedy row
-    emitted = rejection_sample(drafts, torch.full((rows,), 2), target, torch.zeros(rows, dtype=torch.bool),
-                               p.unsqueeze(0).expand(rows, 3, vocab),
-                               None if q is None else q.unsqueeze(0).expand(rows, 2, vocab),
-                               torch.rand(rows, 2, 2, dtype=torch.float64, generator=generator))
+    emitted = rejection_sample(
+        drafts,
+        torch.full((rows,), 2),
+        target,
+        torch.zeros(rows, dtype=torch.bool),
+        p.unsqueeze(0).expand(rows, 3, vocab),
+        None if q is None else q.unsqueeze(0).expand(rows, 2, vocab),
+        torch.rand(rows, 2, 2, dtype=torch.float64, generator=generator),
+    )
     first = np.array([tokens[0] for tokens in emitted])
     # the second token, among the rows whose first draft was accepted, must follow p at position 1
-    second = np.array([tokens[1] for tokens, d in zip(emitted, drafts[:, 0].tolist()) if len(tokens) > 1 and tokens[0] == d])
+    second = np.array(
+        [tokens[1] for tokens, d in zip(emitted, drafts[:, 0].tolist()) if len(tokens) > 1 and tokens[0] == d]
+    )
     third = np.array([tokens[2] for tokens in emitted if len(tokens) == 3])
     for observed, expected in ((first, p[0]), (second, p[1]), (third, p[2])):
         assert len(observed) > 500
@@ -107,8 +128,10 @@ def _run(model, prompts, params, **settings):
 
 
 def _greedy_params(count, max_tokens=40, **extra):
-    return [SamplingParams(temperature=0, max_tokens=max_tokens - 5 * (i % 4), ignore_eos=True, logprobs=3, **extra)
-            for i in range(count)]
+    return [
+        SamplingParams(temperature=0, max_tokens=max_tokens - 5 * (i % 4), ignore_eos=True, logprobs=3, **extra)
+        for i in range(count)
+    ]
 
 
 def _assert_same(outputs, reference):
@@ -135,7 +158,9 @@ def test_greedy_tokens_equal_plain_decoding_with_drafts_accepted_and_rejected(ti
     prompts = random_prompts(6, (5, 40), seed=5, vocab=(100, 1000))
     params = _greedy_params(len(prompts))
     reference, _ = _run(tiny_llama, prompts, params, **settings)
-    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}, k)
+    spec = oracle_spec_config(
+        oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}, k
+    )
     outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec, **settings)
     _assert_same(outputs, reference)
     counters = stats.spec_decoding
@@ -154,17 +179,32 @@ def test_prefix_hits_stop_conditions_and_logits_processors_stay_exact(tiny_llama
     reference, _ = _run(tiny_llama, prompts, plain * 4)
     stop_token = reference[1].outputs[0].token_ids[12]
     stops_at = reference[1].outputs[0].token_ids.index(stop_token) + 1
-    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2, repetition_penalty=1.4,
-                             frequency_penalty=0.3),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2, stop_token_ids=[stop_token]),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2,
-                             bad_words_token_ids=[[reference[2].outputs[0].token_ids[5]]], min_tokens=3),
-              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2,
-                             logit_bias={reference[3].outputs[0].token_ids[2]: -50.0})]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, logprobs=2, repetition_penalty=1.4, frequency_penalty=0.3
+        ),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2, stop_token_ids=[stop_token]),
+        SamplingParams(
+            temperature=0,
+            max_tokens=30,
+            ignore_eos=True,
+            logprobs=2,
+            bad_words_token_ids=[[reference[2].outputs[0].token_ids[5]]],
+            min_tokens=3,
+        ),
+        SamplingParams(
+            temperature=0,
+            max_tokens=7,
+            ignore_eos=True,
+            logprobs=2,
+            logit_bias={reference[3].outputs[0].token_ids[2]: -50.0},
+        ),
+    ]
     expected, _ = _run(tiny_llama, prompts, params)
     assert expected[1].outputs[0].finish_reason == "stop" and len(expected[1].outputs[0].token_ids) == stops_at
-    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)},
-                          corrupt_every=4)
+    spec = oracle_spec_config(
+        oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}, corrupt_every=4
+    )
     outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec)
     _assert_same(outputs, expected)
     assert stats.prefix_cache_hits > 0 and stats.spec_decoding.num_accepted_tokens > 0
@@ -190,8 +230,13 @@ def test_builtin_proposers_give_the_plain_greedy_tokens(make_tiny_model, method)
     params = _greedy_params(4, max_tokens=48)
     reference, _ = _run(tiny_llama, prompts, params)
     # exactness, not the policy: dynamic speculation would leave most of a random model's poor drafts out
-    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-            "dynamic_speculation": False}
+    spec = {
+        "method": method,
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 4,
+        "dynamic_speculation": False,
+    }
     outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec, max_num_batched_tokens=24)
     _assert_same(outputs, reference)
     assert stats.spec_decoding.num_drafts > 0 and stats.spec_decoding.num_accepted_tokens > 0
@@ -200,13 +245,16 @@ def test_builtin_proposers_give_the_plain_greedy_tokens(make_tiny_model, method)
 def test_aborted_requests_with_drafts_in_flight_return_their_blocks(tiny_llama, oracle):
     prompts = random_prompts(3, (5, 20), seed=4, vocab=(100, 1000))
     reference, _ = _run(tiny_llama, prompts, _greedy_params(3, max_tokens=60))
-    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)})
+    spec = oracle_spec_config(
+        oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}
+    )
     llm = LLM(model=tiny_llama, speculative_config=spec, **COMMON)
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
-        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
-                           f"r{i}")
-    scheduler = engine.engine_core.engine_core.scheduler
+        engine.add_request(
+            {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), f"r{i}"
+        )
+    scheduler = inspect(engine).scheduler
     for _ in range(20):
         engine.step()
         if any(r.spec_token_ids for r in scheduler.running):
@@ -214,7 +262,7 @@ def test_aborted_requests_with_drafts_in_flight_return_their_blocks(tiny_llama, 
     assert any(r.spec_token_ids for r in scheduler.running)
     engine.abort_request(["r0", "r1"])
     engine.step()  # the workers hear of the aborts with the next step
-    proposer = engine.engine_core.engine_core.executor.worker.model_runner.proposer
+    proposer = inspect(engine).model_runner.proposer
     assert sorted(proposer.finished_ids) == ["r0", "r1"]
     engine.abort_request(["r2"])
     assert_all_blocks_free(llm)
@@ -225,16 +273,19 @@ def test_tensor_parallel_ranks_verify_rank_zeros_drafts(tiny_llama, oracle):
     prompts = random_prompts(4, (5, 30), seed=6, vocab=(100, 1000))
     params = _greedy_params(4, max_tokens=24)
     reference, _ = _run(tiny_llama, prompts, params)
-    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)})
-    outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec, tensor_parallel_size=2,
-                          num_threads=1)
+    spec = oracle_spec_config(
+        oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}
+    )
+    outputs, stats = _run(tiny_llama, prompts, params, speculative_config=spec, tensor_parallel_size=2, num_threads=1)
     _assert_same(outputs, reference)
     assert stats.spec_decoding.num_accepted_tokens > 0
 
 
 # ---- configuration and policy ------------------------------------------------------------------------------------
 def test_speculative_config_as_vllm_spells_it_and_refusals():
-    config = VllmConfig.load(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    config = VllmConfig.load(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    )
     assert config.speculative.method == "ngram" and config.speculative.lookup_range() == (4, 4)
     assert VllmConfig.load().speculative.method == "none" and VllmConfig.load().speculative.lookup_range() == (5, 5)
     with pytest.raises(ConfigError, match="async_scheduling"):
@@ -278,8 +329,18 @@ def test_serve_with_speculative_config_reports_vllm_named_counters(make_tiny_mod
     from tests.helpers import Server
 
     model = make_tiny_model(vocab_size=300)
-    server = Server("--model", model, "--dtype", "float32", "--layer-kernels", "native", "--kv-cache-memory", "64MiB",
-                    "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3, "dynamic_speculation": false}')
+    server = Server(
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--layer-kernels",
+        "native",
+        "--kv-cache-memory",
+        "64MiB",
+        "--speculative-config",
+        '{"method": "suffix", "num_speculative_tokens": 3, "dynamic_speculation": false}',
+    )
     try:
         prompt = random_prompts(1, (8, 8), seed=2, vocab=(5, 300))[0] * 3
         body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -288,12 +349,22 @@ def test_serve_with_speculative_config_reports_vllm_named_counters(make_tiny_mod
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
     finally:
         server.stop()
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith("engine_spec_decode") and "_created" not in line}
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("engine_spec_decode") and "_created" not in line
+    }
     assert values["engine_spec_decode_num_draft_tokens_total"] > 0, metrics
-    assert 0 < values["engine_spec_decode_num_accepted_tokens_total"] <= values["engine_spec_decode_num_draft_tokens_total"]
-    per_position = [line for line in metrics.splitlines()
-                    if line.startswith("engine_spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert (
+        0
+        < values["engine_spec_decode_num_accepted_tokens_total"]
+        <= values["engine_spec_decode_num_draft_tokens_total"]
+    )
+    per_position = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("engine_spec_decode_num_accepted_tokens_per_pos_total{")
+    ]
     assert any('position="0"' in line and 'dp_rank="0"' in line for line in per_position), metrics
 
 
@@ -314,14 +385,17 @@ def test_draft_model_is_refused_without_a_model_or_with_another_vocabulary(tiny_
     with pytest.raises(ConfigError, match="draft_model.*cannot run here: speculative.draft_model names no model"):
         LLM(model=tiny_llama, speculative_method="draft_model", **COMMON)
     with pytest.raises(ConfigError, match="vocabulary of 300 tokens"):
-        LLM(model=tiny_llama, speculative_config={"method": "draft_model", "draft_model": make_tiny_model(vocab_size=300)},
-            **COMMON)
+        LLM(
+            model=tiny_llama,
+            speculative_config={"method": "draft_model", "draft_model": make_tiny_model(vocab_size=300)},
+            **COMMON,
+        )
 
 
 # ---- SmolLM2 on W2 prompts: every proposer gives the plain greedy tokens --------------------------------------------
 @pytest.mark.slow
 def test_smollm2_copies_a_w2_prompt_with_every_proposer_and_the_same_tokens():
-    from engine.bench.workloads import w2_prompts
+    from engine_bench.workloads import w2_prompts
 
     prompts = w2_prompts()[:2]
     params = SamplingParams(temperature=0, max_tokens=64, logprobs=1)
@@ -331,8 +405,11 @@ def test_smollm2_copies_a_w2_prompt_with_every_proposer_and_the_same_tokens():
     llm.shutdown()
     from engine.model.model_info import default_model_path
 
-    for spec in ({"method": "ngram", "num_speculative_tokens": 5}, {"method": "suffix", "num_speculative_tokens": 5},
-                 {"method": "draft_model", "num_speculative_tokens": 3, "draft_model": default_model_path()}):
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 5},
+        {"method": "suffix", "num_speculative_tokens": 5},
+        {"method": "draft_model", "num_speculative_tokens": 3, "draft_model": default_model_path()},
+    ):
         llm = LLM(speculative_config=spec, **common)
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)

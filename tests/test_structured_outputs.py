@@ -1,6 +1,7 @@
 """Structured outputs: constraints compiled by the backend plugins (xgrammar, guidance), enforced with a token
 bitmask. Sampled outputs (temperature 1.0, SmolLM2) must satisfy their constraint every time; an unconstrained
 request in the same batch must not change; a compile must never stall the other requests."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,32 +16,63 @@ import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputsParams, hookimpl
 from engine.errors import InvalidParameterError
+from engine.testing import inspect
 from tests.helpers import assert_all_blocks_free, oracle_spec_config, random_prompts
 
-BACKENDS = [pytest.param("xgrammar"),
-            pytest.param("guidance", marks=pytest.mark.skipif(
-                importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed"))]
+BACKENDS = [
+    pytest.param("xgrammar"),
+    pytest.param(
+        "guidance",
+        marks=pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed"),
+    ),
+]
 
 SCHEMAS = {
-    "nested": {"type": "object", "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 16},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]}},
-        "required": ["name", "address"]},
-    "array_enum": {"type": "object", "properties": {
-        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
-        "mood": {"type": "string", "enum": ["happy", "sad"]}},
-        "required": ["colors", "mood"]},
-    "bounded_numbers": {"type": "object", "properties": {
-        "age": {"type": "integer", "minimum": 18, "maximum": 99},
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
-        "ok": {"type": "boolean"}},
-        "required": ["age", "score", "ok"]},
-    "list_of_objects": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 1000},
-                                         "tag": {"type": "string", "maxLength": 10}},
-        "required": ["id", "tag"]}},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 16},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 16},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["city", "zip"],
+            },
+        },
+        "required": ["name", "address"],
+    },
+    "array_enum": {
+        "type": "object",
+        "properties": {
+            "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
+            "mood": {"type": "string", "enum": ["happy", "sad"]},
+        },
+        "required": ["colors", "mood"],
+    },
+    "bounded_numbers": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["age", "score", "ok"],
+    },
+    "list_of_objects": {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 3,
+        "items": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 0, "maximum": 1000},
+                "tag": {"type": "string", "maxLength": 10},
+            },
+            "required": ["id", "tag"],
+        },
+    },
 }
 PROMPTS = ["Describe a person as JSON.", "Give me some data.", "Write JSON about your day.", "Output:"]
 GRAMMARS = {  # sums of small numbers, in each backend's grammar language
@@ -51,15 +83,22 @@ GRAMMARS = {  # sums of small numbers, in each backend's grammar language
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def smollm2_llm(request, smollm2_gguf):
-    llm = LLM(smollm2_gguf, kv_cache_memory="96MiB", max_model_len=1024, max_num_seqs=32,
-              structured_outputs_backend=request.param)
+    llm = LLM(
+        smollm2_gguf,
+        kv_cache_memory="96MiB",
+        max_model_len=1024,
+        max_num_seqs=32,
+        structured_outputs_backend=request.param,
+    )
     llm.backend = request.param
     yield llm
     llm.shutdown()
 
 
 def generate(llm, prompts, constraint, n=1, max_tokens=200, **kwargs):
-    params = SamplingParams(temperature=1.0, n=n, seed=7, max_tokens=max_tokens, structured_outputs=constraint, **kwargs)
+    params = SamplingParams(
+        temperature=1.0, n=n, seed=7, max_tokens=max_tokens, structured_outputs=constraint, **kwargs
+    )
     return [c for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
 
 
@@ -73,15 +112,21 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(json="{not json")
     with pytest.raises(InvalidParameterError, match="choice"):
         StructuredOutputsParams(choice=[])
-    assert StructuredOutputsParams(json='{"type": "object"}').spec() == StructuredOutputsParams(json={"type": "object"}).spec()
+    assert (
+        StructuredOutputsParams(json='{"type": "object"}').spec()
+        == StructuredOutputsParams(json={"type": "object"}).spec()
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("constraint, problem", [
-    (StructuredOutputsParams(regex="(unclosed"), "regex"),
-    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), "json"),
-    (StructuredOutputsParams(grammar="root ::= ( unbalanced"), "grammar"),
-])
+@pytest.mark.parametrize(
+    "constraint, problem",
+    [
+        (StructuredOutputsParams(regex="(unclosed"), "regex"),
+        (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), "json"),
+        (StructuredOutputsParams(grammar="root ::= ( unbalanced"), "grammar"),
+    ],
+)
 def test_invalid_constraints_are_refused_naming_the_backend(backend, constraint, problem):
     from engine.config import VllmConfig
     from engine.structured_output.validation import StructuredOutputsValidator
@@ -90,6 +135,19 @@ def test_invalid_constraints_are_refused_naming_the_backend(backend, constraint,
     with pytest.raises(InvalidParameterError, match=f"{backend} structured-output backend.*{problem}") as info:
         validator.validate(constraint)
     assert info.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_ebnf_grammar_is_accepted_by_every_backend(backend):
+    """xgrammar takes EBNF as it is; guidance converts it to Lark (found broken by mypy: the converter was
+    imported as a module and every EBNF grammar was refused)."""
+    from engine.config import VllmConfig
+    from engine.structured_output.validation import StructuredOutputsValidator
+
+    validator = StructuredOutputsValidator(VllmConfig.load(structured_outputs_backend=backend))
+    validator.validate(StructuredOutputsParams(grammar=GRAMMARS["xgrammar"]))
+    with pytest.raises(InvalidParameterError, match=f"{backend} structured-output backend.*grammar"):
+        validator.validate(StructuredOutputsParams(grammar="root ::= ( unbalanced"))
 
 
 def test_a_schema_keyword_xgrammar_cannot_enforce_is_refused():
@@ -140,8 +198,9 @@ def test_sampled_regex_choice_grammar_and_json_object(smollm2_llm):
             assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)*", completion.text), completion.text
         else:  # a sum may go on to max_tokens: what was written is still a prefix of a sentence
             assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)*( \+ ?| \+)?", completion.text), completion.text
-    for completion in generate(smollm2_llm, ["Reply in JSON."], StructuredOutputsParams(json_object=True), n=4,
-                               max_tokens=400):
+    for completion in generate(
+        smollm2_llm, ["Reply in JSON."], StructuredOutputsParams(json_object=True), n=4, max_tokens=400
+    ):
         if completion.finish_reason == "stop":
             assert isinstance(json.loads(completion.text), dict)
         else:
@@ -161,13 +220,18 @@ def test_unconstrained_greedy_tokens_unchanged_next_to_constrained_requests(tiny
     prompt = "Once upon a time, in a land far away, there lived a curious fox who"
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     alone = tiny_llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=24,
-                                  structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,30}")) for i in range(3)]
+    constrained = [
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,30}")
+        )
+        for i in range(3)
+    ]
     outputs = tiny_llm.generate([prompt] * 4, [greedy, *constrained], use_tqdm=False)
     assert outputs[0].outputs[0].token_ids == alone
     for out in outputs[1:]:
         assert re.fullmatch(r"[a-z]{3,30}", out.outputs[0].text) or (
-            out.outputs[0].finish_reason == "length" and re.fullmatch(r"[a-z]{0,30}", out.outputs[0].text))
+            out.outputs[0].finish_reason == "length" and re.fullmatch(r"[a-z]{0,30}", out.outputs[0].text)
+        )
     assert_all_blocks_free(tiny_llm)
 
 
@@ -203,8 +267,9 @@ def gated_llm(tiny_llama):
     manager = get_plugin_manager()
     manager.pm.register(module, name="gated_backend_plugin")
     GatedBackend.gate.clear()
-    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory="32MiB", max_model_len=512,
-              structured_outputs_backend="gated-test")
+    llm = LLM(
+        tiny_llama, dtype="float32", kv_cache_memory="32MiB", max_model_len=512, structured_outputs_backend="gated-test"
+    )
     yield llm
     GatedBackend.gate.set()
     llm.shutdown()
@@ -224,10 +289,13 @@ def run_until(engine, done, max_steps=2000):
 
 def test_a_compile_in_progress_does_not_stall_other_requests(gated_llm):
     engine = gated_llm.llm_engine
-    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=16,
-                                 structured_outputs=StructuredOutputsParams(regex=r"[0-9]{4}"))
+    constrained = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{4}")
+    )
     engine.add_request("The year was", constrained, "constrained")
-    engine.add_request({"prompt_token_ids": list(range(200, 220))}, SamplingParams(max_tokens=12, ignore_eos=True), "free")
+    engine.add_request(
+        {"prompt_token_ids": list(range(200, 220))}, SamplingParams(max_tokens=12, ignore_eos=True), "free"
+    )
     finals = run_until(engine, lambda f: "free" in f)
     assert len(finals["free"].outputs[0].token_ids) == 12 and "constrained" not in finals
     assert gated_llm.get_stats().num_waiting_reqs == 1  # still compiling, waiting
@@ -243,7 +311,9 @@ def test_a_failed_compile_fails_its_request_alone(gated_llm):
     GatedBackend.gate.set()
     failing = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="fail"))
     engine.add_request("The year was", failing, "failing")
-    engine.add_request({"prompt_token_ids": list(range(200, 220))}, SamplingParams(max_tokens=8, ignore_eos=True), "free")
+    engine.add_request(
+        {"prompt_token_ids": list(range(200, 220))}, SamplingParams(max_tokens=8, ignore_eos=True), "free"
+    )
     finals = run_until(engine, lambda f: len(f) == 2)
     assert finals["failing"].outputs[0].finish_reason == "error"
     assert "compile failed on purpose" in finals["failing"].error
@@ -252,14 +322,19 @@ def test_a_failed_compile_fails_its_request_alone(gated_llm):
 
 
 def test_compiled_grammars_are_cached_per_constraint(tiny_llm):
-    manager = tiny_llm.llm_engine.engine_core.engine_core.structured_output_manager
-    params = SamplingParams(temperature=1.0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex=r"[ab]{1,5}"))
+    manager = inspect(tiny_llm).structured_output_manager
+    params = SamplingParams(
+        temperature=1.0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex=r"[ab]{1,5}")
+    )
     tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, params, use_tqdm=False)
     compiles = len(manager.compile_seconds)
     tiny_llm.generate([{"prompt_token_ids": [8, 9]}] * 2, params, use_tqdm=False)
     assert len(manager.compile_seconds) == compiles
-    tiny_llm.generate([{"prompt_token_ids": [8, 9]}], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
-        regex=r"[cd]{1,5}")), use_tqdm=False)
+    tiny_llm.generate(
+        [{"prompt_token_ids": [8, 9]}],
+        SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=r"[cd]{1,5}")),
+        use_tqdm=False,
+    )
     assert len(manager.compile_seconds) == compiles + 1
 
 
@@ -268,8 +343,9 @@ ENGINE_PATHS = {  # the engine paths a constrained request must survive, next to
     "async_scheduling": dict(async_scheduling=True, kv_cache_memory="32MiB", max_model_len=512),
     # the bitmask crosses process boundaries; PP: only the last stage masks and samples, in-flight steps overlap
     "tp2_pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, kv_cache_memory="32MiB", max_model_len=512),
-    "speculative_ngram": dict(speculative_method="ngram", prompt_lookup_min=2, prompt_lookup_max=3,
-                              kv_cache_memory="32MiB", max_model_len=512),
+    "speculative_ngram": dict(
+        speculative_method="ngram", prompt_lookup_min=2, prompt_lookup_max=3, kv_cache_memory="32MiB", max_model_len=512
+    ),
 }
 
 
@@ -281,8 +357,12 @@ def test_constraints_hold_on_every_engine_path(tiny_llama, path):
         prompt = "one two three one two three one two three one two"  # repeats: ngram drafts exist
         greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         alone = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
-        constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=40,
-                                      structured_outputs=StructuredOutputsParams(regex=regex)) for i in range(5)]
+        constrained = [
+            SamplingParams(
+                temperature=1.0, seed=i, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)
+            )
+            for i in range(5)
+        ]
         outputs = llm.generate([prompt] * 6, [greedy, *constrained], use_tqdm=False)
         assert outputs[0].outputs[0].token_ids == alone
         for out in outputs[1:]:
@@ -354,16 +434,19 @@ def test_drafts_are_verified_against_the_grammar(tiny_llama, oracle):
     its own bitmask row."""
     regex = r"(ab|cd|ef|gh){3,25}x"
     prompts = random_prompts(4, (5, 30), seed=11, vocab=(100, 1000))
-    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(regex=regex)),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 2
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ] * 2
     common = dict(dtype="float32", kv_cache_memory="32MiB", max_model_len=256)
     llm = LLM(tiny_llama, **common)
     try:
         reference = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    spec = oracle_spec_config(oracle, {",".join(map(str, p)): o.outputs[0].token_ids
-                                       for p, o in zip(prompts, reference)})
+    spec = oracle_spec_config(
+        oracle, {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, reference)}
+    )
     llm = LLM(tiny_llama, speculative_config=spec, **common)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

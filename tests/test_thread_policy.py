@@ -1,4 +1,5 @@
 """The CPU thread policy: OpenMP threads wait passively unless the user chose otherwise."""
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,11 @@ def test_import_engine_sets_passive_waiting_unless_the_user_chose(given, expecte
 
 def test_processes_the_engine_starts_inherit_the_policy():
     """A child started the way the engine starts its core and workers (spawn) sees the policy before torch."""
-    code = ("import engine, multiprocessing as mp, os\n"
-            "with mp.get_context('spawn').Pool(1) as pool:\n"
-            "    print(pool.apply(os.getenv, ('OMP_WAIT_POLICY',)))\n")
+    code = (
+        "import engine, multiprocessing as mp, os\n"
+        "with mp.get_context('spawn').Pool(1) as pool:\n"
+        "    print(pool.apply(os.getenv, ('OMP_WAIT_POLICY',)))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -32,10 +35,12 @@ def test_processes_the_engine_starts_inherit_the_policy():
 
 
 def test_torch_imported_first_is_reported():
-    code = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
-            "import engine\n"
-            "from engine import thread_policy\n"
-            "thread_policy.warn_if_not_in_effect(); thread_policy.warn_if_not_in_effect()\n")
+    code = (
+        "import logging, torch; logging.basicConfig(level=logging.INFO)\n"
+        "import engine\n"
+        "from engine import thread_policy\n"
+        "thread_policy.warn_if_not_in_effect(); thread_policy.warn_if_not_in_effect()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

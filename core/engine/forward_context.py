@@ -1,4 +1,5 @@
 """Per-step state the attention layers read during a forward pass (set by the model runner)."""
+
 from __future__ import annotations
 
 import contextlib

@@ -12,12 +12,15 @@ key that chooses an implementation, and how and in which process an implementati
 Registration, selection (``engine.plugins``), the config field and its flags (``engine.config``),
 ``engine plugins`` and the generated reference (docs/config.md) all read ``KINDS``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import pluggy
+
+_Spec = TypeVar("_Spec", bound=Callable[..., Any])
 
 PROJECT_NAME = "engine"
 CONTRACT_VERSION = "1.7"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
@@ -52,24 +55,51 @@ class PluginKind:
 KINDS: dict[str, PluginKind] = {}
 
 
-def plugin_kind(name: str, *, base: str, process: str, construction: str, config_key: Optional[str] = None,
-                flags: tuple[str, ...] = (), choice_help: str = "",
-                returns_classes: bool = True, off_value: Optional[str] = None,
-                selected_at_start: bool = True) -> Callable[[Callable], Callable]:
+def plugin_kind(
+    name: str,
+    *,
+    base: str,
+    process: str,
+    construction: str,
+    config_key: Optional[str] = None,
+    flags: tuple[str, ...] = (),
+    choice_help: str = "",
+    returns_classes: bool = True,
+    off_value: Optional[str] = None,
+    selected_at_start: bool = True,
+) -> Callable[[_Spec], _Spec]:
     """Declare the kind whose hookspec this decorates (and mark the function as a hookspec)."""
-    def declare(function: Callable) -> Callable:
-        KINDS[name] = PluginKind(name, function.__name__, base, config_key, flags, process, construction,
-                                 choice_help, returns_classes, off_value, selected_at_start)
+
+    def declare(function: _Spec) -> _Spec:
+        KINDS[name] = PluginKind(
+            name,
+            function.__name__,
+            base,
+            config_key,
+            flags,
+            process,
+            construction,
+            choice_help,
+            returns_classes,
+            off_value,
+            selected_at_start,
+        )
         return hookspec(function)
+
     return declare
 
 
-@plugin_kind("attention", base="engine.interfaces.attention:AttentionBackend", process="worker",
-             config_key="attention.backend", flags=("attention", "attention_backend"),
-             construction="used as a class (static methods); each model layer builds "
-                          "get_impl_cls()(num_heads, head_size, scale, num_kv_heads, ...) and each KV-cache group "
-                          "get_builder_cls()(attention.options, device, block_size, sliding_window)",
-             choice_help="AttentionBackend plugin; auto = first available by priority")
+@plugin_kind(
+    "attention",
+    base="engine.interfaces.attention:AttentionBackend",
+    process="worker",
+    config_key="attention.backend",
+    flags=("attention", "attention_backend"),
+    construction="used as a class (static methods); each model layer builds "
+    "get_impl_cls()(num_heads, head_size, scale, num_kv_heads, ...) and each KV-cache group "
+    "get_builder_cls()(attention.options, device, block_size, sliding_window)",
+    choice_help="AttentionBackend plugin; auto = first available by priority",
+)
 def engine_attention_backends() -> list[type]:
     """Return AttentionBackend subclasses (``engine.interfaces.attention``).
 
@@ -80,11 +110,16 @@ def engine_attention_backends() -> list[type]:
     """
 
 
-@plugin_kind("executor", base="engine.interfaces.executor:Executor", process="engine core",
-             config_key="parallel.executor", flags=("executor", "distributed_executor_backend"),
-             construction="cls(vllm_config, plugin_choices) once, in the engine-core process; it creates one "
-                          "engine.worker.Worker(vllm_config, plugin_choices, rank, distributed_init_method) per rank",
-             choice_help="Executor plugin; auto = uniproc for one rank, multiproc otherwise")
+@plugin_kind(
+    "executor",
+    base="engine.interfaces.executor:Executor",
+    process="engine core",
+    config_key="parallel.executor",
+    flags=("executor", "distributed_executor_backend"),
+    construction="cls(vllm_config, plugin_choices) once, in the engine-core process; it creates one "
+    "engine.worker.Worker(vllm_config, plugin_choices, rank, distributed_init_method) per rank",
+    choice_help="Executor plugin; auto = uniproc for one rank, multiproc otherwise",
+)
 def engine_executors() -> list[type]:
     """Return Executor subclasses (``engine.interfaces.executor``).
 
@@ -96,11 +131,15 @@ def engine_executors() -> list[type]:
     """
 
 
-@plugin_kind("kv_cache_coordinator", base="engine.interfaces.kv_cache:KVCacheCoordinator", process="engine core",
-             config_key="cache.kv_cache_coordinator",
-             construction="cls(kv_cache_config, block_pool, enable_caching, max_model_len) once, by the "
-                          "scheduler's KVCacheManager in the engine-core process",
-             choice_help="KVCacheCoordinator plugin; auto derives it from the model and prefix caching")
+@plugin_kind(
+    "kv_cache_coordinator",
+    base="engine.interfaces.kv_cache:KVCacheCoordinator",
+    process="engine core",
+    config_key="cache.kv_cache_coordinator",
+    construction="cls(kv_cache_config, block_pool, enable_caching, max_model_len) once, by the "
+    "scheduler's KVCacheManager in the engine-core process",
+    choice_help="KVCacheCoordinator plugin; auto derives it from the model and prefix caching",
+)
 def engine_kv_cache_coordinators() -> list[type]:
     """Return KVCacheCoordinator subclasses (``engine.interfaces.kv_cache``).
 
@@ -111,11 +150,16 @@ def engine_kv_cache_coordinators() -> list[type]:
     """
 
 
-@plugin_kind("sampler", base="engine.interfaces.sampler:Sampler", process="worker", config_key="sampler.name",
-             flags=("sampler",),
-             construction="cls(vllm_config) once per worker; called as sampler(logits, SamplingMetadata) "
-                          "every step that samples",
-             choice_help="Sampler plugin; auto = highest priority available")
+@plugin_kind(
+    "sampler",
+    base="engine.interfaces.sampler:Sampler",
+    process="worker",
+    config_key="sampler.name",
+    flags=("sampler",),
+    construction="cls(vllm_config) once per worker; called as sampler(logits, SamplingMetadata) "
+    "every step that samples",
+    choice_help="Sampler plugin; auto = highest priority available",
+)
 def engine_samplers() -> list[type]:
     """Return Sampler subclasses (``engine.interfaces.sampler``).
 
@@ -124,9 +168,13 @@ def engine_samplers() -> list[type]:
     """
 
 
-@plugin_kind("logits_processor", base="engine.interfaces.logits_processor:LogitsProcessor", process="worker",
-             construction="cls(vllm_config) once per worker, every available one; requested_by(params) once per "
-                          "request, apply(logits, LogitsBatch) every step on the rows that asked")
+@plugin_kind(
+    "logits_processor",
+    base="engine.interfaces.logits_processor:LogitsProcessor",
+    process="worker",
+    construction="cls(vllm_config) once per worker, every available one; requested_by(params) once per "
+    "request, apply(logits, LogitsBatch) every step on the rows that asked",
+)
 def engine_logits_processors() -> list[type]:
     """Return LogitsProcessor subclasses (``engine.interfaces.logits_processor``).
 
@@ -136,11 +184,16 @@ def engine_logits_processors() -> list[type]:
     """
 
 
-@plugin_kind("layer_kernels", base="engine.interfaces.layer_kernels:LayerKernels", process="worker",
-             config_key="device.layer_kernels", flags=("layer_kernels",),
-             construction="cls() once per worker, before the weights load; the model layers call its kernels",
-             choice_help="LayerKernels plugin (fused RMSNorm / SiLU-mul / RoPE, packed GEMMs); "
-                         "auto = highest priority available, native = torch ops")
+@plugin_kind(
+    "layer_kernels",
+    base="engine.interfaces.layer_kernels:LayerKernels",
+    process="worker",
+    config_key="device.layer_kernels",
+    flags=("layer_kernels",),
+    construction="cls() once per worker, before the weights load; the model layers call its kernels",
+    choice_help="LayerKernels plugin (fused RMSNorm / SiLU-mul / RoPE, packed GEMMs); "
+    "auto = highest priority available, native = torch ops",
+)
 def engine_layer_kernels() -> list[type]:
     """Return LayerKernels subclasses (``engine.interfaces.layer_kernels``): fused RMSNorm,
     SiLU-and-multiply and RoPE for the model layers, and packed linear products.
@@ -151,14 +204,19 @@ def engine_layer_kernels() -> list[type]:
     """
 
 
-@plugin_kind("quantization", base="engine.interfaces.quantization:QuantizationMethod", process="worker",
-             config_key="model.quantization", flags=("quantization",),
-             construction="cls() once per worker, before the weights load; packed_checkpoint_formats(model_info) "
-                          "says which checkpoint tensors load packed, process_weights_after_loading(model) makes "
-                          "the quantized weights, and the layer kernels' quantized_product_candidates run them",
-             choice_help="QuantizationMethod plugin (how linear weights are stored): none = float weights (a GGUF "
-                         "file de-quantized at load), gguf = a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept packed, int8 = "
-                         "weight-only int8 made at load; auto = none")
+@plugin_kind(
+    "quantization",
+    base="engine.interfaces.quantization:QuantizationMethod",
+    process="worker",
+    config_key="model.quantization",
+    flags=("quantization",),
+    construction="cls() once per worker, before the weights load; packed_checkpoint_formats(model_info) "
+    "says which checkpoint tensors load packed, process_weights_after_loading(model) makes "
+    "the quantized weights, and the layer kernels' quantized_product_candidates run them",
+    choice_help="QuantizationMethod plugin (how linear weights are stored): none = float weights (a GGUF "
+    "file de-quantized at load), gguf = a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept packed, int8 = "
+    "weight-only int8 made at load; auto = none",
+)
 def engine_quantization_methods() -> list[type]:
     """Return QuantizationMethod subclasses (``engine.interfaces.quantization``).
 
@@ -170,13 +228,19 @@ def engine_quantization_methods() -> list[type]:
     """
 
 
-@plugin_kind("proposer", base="engine.interfaces.proposer:Proposer", process="worker",
-             config_key="speculative.method", flags=("speculative_method",), off_value="none",
-             construction="cls(vllm_config) once per worker (rank 0 proposes; the scheduler sends its drafts to every "
-                          "rank); load(model_runner) after the target model loads; propose(ProposalBatch) after "
-                          "each step that samples, finished(req_ids) when requests leave the batch",
-             choice_help="speculative-decoding Proposer plugin (ngram, suffix, draft_model...); none = no "
-                         "speculative decoding; auto = highest priority available")
+@plugin_kind(
+    "proposer",
+    base="engine.interfaces.proposer:Proposer",
+    process="worker",
+    config_key="speculative.method",
+    flags=("speculative_method",),
+    off_value="none",
+    construction="cls(vllm_config) once per worker (rank 0 proposes; the scheduler sends its drafts to every "
+    "rank); load(model_runner) after the target model loads; propose(ProposalBatch) after "
+    "each step that samples, finished(req_ids) when requests leave the batch",
+    choice_help="speculative-decoding Proposer plugin (ngram, suffix, draft_model...); none = no "
+    "speculative decoding; auto = highest priority available",
+)
 def engine_spec_proposers() -> list[type]:
     """Return Proposer subclasses (``engine.interfaces.proposer``): ways of drafting tokens that the target
     model then verifies in one forward pass (speculative decoding).
@@ -189,15 +253,20 @@ def engine_spec_proposers() -> list[type]:
     """
 
 
-@plugin_kind("structured_output", base="engine.interfaces.structured_output:StructuredOutputBackend",
-             process="api server and engine core", config_key="structured_outputs.backend",
-             flags=("structured_outputs_backend", "guided_decoding_backend"), selected_at_start=False,
-             construction="validate(params) (a classmethod) in the front end for every constrained request; "
-                          "cls(vllm_config, tokenizer, vocab_size, eos_token_id) once in the engine core, on the first "
-                          "constrained request; compile_grammar(params) on a worker thread, once per distinct "
-                          "constraint; new_matcher(compiled) per request",
-             choice_help="structured-output backend plugin (xgrammar, guidance...) for json / regex / choice / "
-                         "grammar constraints; auto = highest priority available (xgrammar)")
+@plugin_kind(
+    "structured_output",
+    base="engine.interfaces.structured_output:StructuredOutputBackend",
+    process="api server and engine core",
+    config_key="structured_outputs.backend",
+    flags=("structured_outputs_backend", "guided_decoding_backend"),
+    selected_at_start=False,
+    construction="validate(params) (a classmethod) in the front end for every constrained request; "
+    "cls(vllm_config, tokenizer, vocab_size, eos_token_id) once in the engine core, on the first "
+    "constrained request; compile_grammar(params) on a worker thread, once per distinct "
+    "constraint; new_matcher(compiled) per request",
+    choice_help="structured-output backend plugin (xgrammar, guidance...) for json / regex / choice / "
+    "grammar constraints; auto = highest priority available (xgrammar)",
+)
 def engine_structured_output_backends() -> list[type]:
     """Return StructuredOutputBackend subclasses (``engine.interfaces.structured_output``): grammar engines
     that constrain a request's output to a JSON schema, a regex, a choice or a grammar.
@@ -211,15 +280,21 @@ def engine_structured_output_backends() -> list[type]:
     """
 
 
-@plugin_kind("tool_parser", base="engine.interfaces.tool_parser:ToolParser", process="api server",
-             config_key="server.tool_call_parser", flags=("tool_call_parser",), off_value="none",
-             selected_at_start=False,
-             construction="cls(tokenizer) per chat request with tool_choice 'auto'; extract_tool_calls(text) on the "
-                          "finished text, extract_tool_calls_streaming(previous_text, current_text, delta_text) per "
-                          "streamed delta",
-             choice_help="tool-call parser plugin (hermes...) that turns the model's text into tool_calls for "
-                         "tool_choice 'auto'; none = 'auto' is refused (named and 'required' tool choices need no "
-                         "parser)")
+@plugin_kind(
+    "tool_parser",
+    base="engine.interfaces.tool_parser:ToolParser",
+    process="api server",
+    config_key="server.tool_call_parser",
+    flags=("tool_call_parser",),
+    off_value="none",
+    selected_at_start=False,
+    construction="cls(tokenizer) per chat request with tool_choice 'auto'; extract_tool_calls(text) on the "
+    "finished text, extract_tool_calls_streaming(previous_text, current_text, delta_text) per "
+    "streamed delta",
+    choice_help="tool-call parser plugin (hermes...) that turns the model's text into tool_calls for "
+    "tool_choice 'auto'; none = 'auto' is refused (named and 'required' tool choices need no "
+    "parser)",
+)
 def engine_tool_parsers() -> list[type]:
     """Return ToolParser subclasses (``engine.interfaces.tool_parser``): parsers that find tool calls in the
     text a model writes when it may call a tool (``tool_choice: "auto"``).
@@ -230,10 +305,15 @@ def engine_tool_parsers() -> list[type]:
     """
 
 
-@plugin_kind("model", base="torch.nn:Module", process="worker", returns_classes=False,
-             construction="registered by architecture (config.json's architectures); the worker's loader "
-                          "builds cls(hf_config) and calls load_weights(weights), which returns the loaded names")
-def register_models(registry) -> None:
+@plugin_kind(
+    "model",
+    base="torch.nn:Module",
+    process="worker",
+    returns_classes=False,
+    construction="registered by architecture (config.json's architectures); the worker's loader "
+    "builds cls(hf_config) and calls load_weights(weights), which returns the loaded names",
+)
+def register_models(registry: Any) -> None:
     """Register model families: ``registry.register_model("Arch", cls_or_"package.module:Class")``.
 
     The architecture is matched on config.json's ``architectures``; a path is imported only when a model

@@ -1,4 +1,5 @@
 """vLLM-shaped results: RequestOutput holding one CompletionOutput per sequence."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

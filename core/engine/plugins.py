@@ -4,6 +4,7 @@ Built-ins register through the same hooks as third-party packages, so there is o
 implementation. ``PluginManager.select`` picks an implementation by name (or ``auto``) and, when it
 cannot, fails with the reasons and the names that would work.
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,13 +12,13 @@ import importlib
 import importlib.metadata
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from engine import hookspecs
-from engine.hookspecs import KINDS
 from engine.config import ConfigError
+from engine.hookspecs import KINDS
 from engine.interfaces.base import SelectionContext
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ BUILTIN_MODULES = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kind_base_class(kind: str) -> type:
     """The base class that the declaration of ``kind`` names (imported on first use)."""
     module_name, _, class_name = KINDS[kind].base.partition(":")
@@ -54,7 +55,7 @@ class Implementation:
 
     kind: str
     name: str
-    cls: type
+    cls: Any  # a Pluggable subclass; a model family not imported yet: its "module:Class" path
     source: str
     contract: str = hookspecs.CONTRACT_VERSION  # the contract its plugin declares
 
@@ -65,12 +66,14 @@ class Implementation:
         return adapt_for_contract(self.kind, self.cls(*args, **kwargs), self.name, self.source, self.contract)
 
     def reasons(self, ctx: SelectionContext) -> list[str]:
-        base = kind_base_class(self.kind)
+        base: Any = kind_base_class(self.kind)
         if not (isinstance(self.cls, type) and issubclass(self.cls, base)):
-            return [f"{self.cls!r} is not a subclass of {base.__module__}.{base.__qualname__}, as a {self.kind} "
-                    "must be"]
+            return [
+                f"{self.cls!r} is not a subclass of {base.__module__}.{base.__qualname__}, as a {self.kind} must be"
+            ]
+        pluggable: Any = self.cls  # a subclass of the kind's base: it states its own reasons
         try:
-            return list(self.cls.unavailable_reasons(ctx))
+            return list(pluggable.unavailable_reasons(ctx))
         except Exception as exc:  # a plugin's check must not take the engine down
             return [f"availability check raised {type(exc).__name__}: {exc}"]
 
@@ -117,8 +120,10 @@ class PluginManager:
                 continue
             version = getattr(module, "ENGINE_CONTRACT_VERSION", None)
             if version is None or _major(version) != _major(hookspecs.CONTRACT_VERSION):
-                reason = (f"built for plugin contract {version or 'unknown (no ENGINE_CONTRACT_VERSION)'}, "
-                          f"this engine speaks {hookspecs.CONTRACT_VERSION}")
+                reason = (
+                    f"built for plugin contract {version or 'unknown (no ENGINE_CONTRACT_VERSION)'}, "
+                    f"this engine speaks {hookspecs.CONTRACT_VERSION}"
+                )
                 self.refused.append(RefusedPlugin(ep.name, source, reason))
                 logger.warning("plugin %s (%s) refused: %s", ep.name, source, reason)
                 continue
@@ -138,8 +143,10 @@ class PluginManager:
         listed by architecture, with their class or, while it is not imported yet, its import path."""
         if not KINDS[kind].returns_classes:
             registry = self.models()
-            return {arch: Implementation(kind, arch, registry.reference(arch), registry.sources[arch])
-                    for arch in registry.architectures()}
+            return {
+                arch: Implementation(kind, arch, registry.reference(arch), registry.sources[arch])
+                for arch in registry.architectures()
+            }
         found: dict[str, Implementation] = {}
         hook = getattr(self.pm.hook, KINDS[kind].hook)
         for impl in hook.get_hookimpls():
@@ -147,13 +154,16 @@ class PluginManager:
             for cls in impl.function() or []:
                 name = cls.name
                 if name in found and found[name].cls is not cls:
-                    raise ConfigError(f"{kind} implementation '{name}' is offered by both "
-                                      f"{found[name].source} and {source}; uninstall one of them")
-                found[name] = Implementation(kind, name, cls, source,
-                                             self.contracts.get(impl.plugin_name, hookspecs.CONTRACT_VERSION))
+                    raise ConfigError(
+                        f"{kind} implementation '{name}' is offered by both "
+                        f"{found[name].source} and {source}; uninstall one of them"
+                    )
+                found[name] = Implementation(
+                    kind, name, cls, source, self.contracts.get(impl.plugin_name, hookspecs.CONTRACT_VERSION)
+                )
         return found
 
-    def models(self) -> "ModelRegistry":
+    def models(self) -> ModelRegistry:
         """The model registry filled by every plugin's ``register_models``."""
         from engine.model.registry import ModelRegistry
 
@@ -171,16 +181,19 @@ class PluginManager:
         if requested == "auto":
             candidates = [impl for impl in available.values() if impl.cls.preferred_for(ctx)]
             if not candidates:
-                raise ConfigError(f"{key}=auto: no {kind} implementation can run here.\n"
-                                  + self._explain(impls, ctx))
+                raise ConfigError(f"{key}=auto: no {kind} implementation can run here.\n" + self._explain(impls, ctx))
             return max(candidates, key=lambda impl: impl.cls.priority)
         if requested not in impls:
-            raise ConfigError(f"{key}: unknown {kind} '{requested}'; choices: {sorted(impls) + ['auto']} "
-                              f"(available here: {sorted(available)})")
+            raise ConfigError(
+                f"{key}: unknown {kind} '{requested}'; choices: {sorted(impls) + ['auto']} "
+                f"(available here: {sorted(available)})"
+            )
         reasons = impls[requested].reasons(ctx)
         if reasons:
-            raise ConfigError(f"{key}: {kind} '{requested}' cannot run here: {'; '.join(reasons)}. "
-                              f"Names that would work: {sorted(available) + ['auto']}")
+            raise ConfigError(
+                f"{key}: {kind} '{requested}' cannot run here: {'; '.join(reasons)}. "
+                f"Names that would work: {sorted(available) + ['auto']}"
+            )
         return impls[requested]
 
     def active(self, kind: str, ctx: SelectionContext) -> list[Implementation]:
@@ -199,17 +212,40 @@ class PluginManager:
             for name, impl in sorted(self.implementations(kind).items()):
                 if not declaration.returns_classes:  # a model family: registered, imported when it loads
                     loading = f"lazy ({impl.cls})" if isinstance(impl.cls, str) else "loaded"
-                    rows.append({"kind": kind, "name": name, "source": impl.source, "available": "yes",
-                                 "reason": loading, "priority": ""})
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "name": name,
+                            "source": impl.source,
+                            "available": "yes",
+                            "reason": loading,
+                            "priority": "",
+                        }
+                    )
                     continue
                 reasons = impl.reasons(ctx)
-                rows.append({"kind": kind, "name": name, "source": impl.source,
-                             "available": "yes" if not reasons else "no", "reason": "; ".join(reasons),
-                             "priority": str(impl.cls.priority)})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "name": name,
+                        "source": impl.source,
+                        "available": "yes" if not reasons else "no",
+                        "reason": "; ".join(reasons),
+                        "priority": str(impl.cls.priority),
+                    }
+                )
         for label, entries in (("(refused)", self.refused), ("(ignored hook)", self.ignored_hooks)):
             for entry in entries:
-                rows.append({"kind": label, "name": entry.name, "source": entry.source,
-                             "available": "no", "reason": entry.reason, "priority": ""})
+                rows.append(
+                    {
+                        "kind": label,
+                        "name": entry.name,
+                        "source": entry.source,
+                        "available": "no",
+                        "reason": entry.reason,
+                        "priority": "",
+                    }
+                )
         return rows
 
 

@@ -1,4 +1,5 @@
 """SamplingParams: what a request asks of generation, with vLLM's field names and validation."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ import msgspec
 from engine.errors import InvalidParameterError
 
 GREEDY_EPS = 1e-5
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # what crosses the engine-core boundary (msgpack) and torch
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what crosses the engine-core boundary (msgpack) and torch
 
 
 def _is_token_id(value: Any) -> bool:
@@ -53,16 +54,22 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise InvalidParameterError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar or "
-                                        f"json_object, got {given or 'none'}", "structured_outputs")
+            raise InvalidParameterError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}",
+                "structured_outputs",
+            )
         if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
-            raise InvalidParameterError("StructuredOutputsParams.choice must be a non-empty list of non-empty "
-                                        "strings", "structured_outputs.choice")
+            raise InvalidParameterError(
+                "StructuredOutputsParams.choice must be a non-empty list of non-empty strings",
+                "structured_outputs.choice",
+            )
         for field in ("regex", "grammar"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, str) and value):
-                raise InvalidParameterError(f"StructuredOutputsParams.{field} must be a non-empty string",
-                                            f"structured_outputs.{field}")
+                raise InvalidParameterError(
+                    f"StructuredOutputsParams.{field} must be a non-empty string", f"structured_outputs.{field}"
+                )
         if isinstance(self.json, str):
             import json as json_module
 
@@ -71,16 +78,19 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             except RecursionError:
                 parsed = _TOO_DEEP  # nested past the parser's stack: refused below
             except ValueError as exc:
-                raise InvalidParameterError(f"StructuredOutputsParams.json is not valid JSON: {exc}",
-                                            "structured_outputs.json") from None
+                raise InvalidParameterError(
+                    f"StructuredOutputsParams.json is not valid JSON: {exc}", "structured_outputs.json"
+                ) from None
             if not isinstance(parsed, (dict, bool)) and parsed is not _TOO_DEEP:
-                raise InvalidParameterError("StructuredOutputsParams.json must be a JSON schema (an object)",
-                                            "structured_outputs.json")
+                raise InvalidParameterError(
+                    "StructuredOutputsParams.json must be a JSON schema (an object)", "structured_outputs.json"
+                )
         else:
             parsed = self.json
         if self.json is not None and (parsed is _TOO_DEEP or _nesting_depth(parsed) > MAX_SCHEMA_DEPTH):
-            raise InvalidParameterError(f"StructuredOutputsParams.json nests deeper than {MAX_SCHEMA_DEPTH} levels",
-                                        "structured_outputs.json")
+            raise InvalidParameterError(
+                f"StructuredOutputsParams.json nests deeper than {MAX_SCHEMA_DEPTH} levels", "structured_outputs.json"
+            )
 
     @property
     def kind(self) -> str:
@@ -146,12 +156,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             try:
                 self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             except (TypeError, ValueError, OverflowError):
-                raise InvalidParameterError(f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}",
-                                            "logit_bias") from None
+                raise InvalidParameterError(
+                    f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias"
+                ) from None
         for field in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             if not _is_int64(getattr(self, field)):
-                raise InvalidParameterError(f"SamplingParams.{field} must be an integer in [{INT64_MIN}, {INT64_MAX}], "
-                                            f"got {getattr(self, field)!r}", field)
+                raise InvalidParameterError(
+                    f"SamplingParams.{field} must be an integer in [{INT64_MIN}, {INT64_MAX}], "
+                    f"got {getattr(self, field)!r}",
+                    field,
+                )
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must be non-negative"),
@@ -163,26 +177,47 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ("repetition_penalty", 0 < self.repetition_penalty <= 10, "must be in (0, 10]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             "must not exceed max_tokens"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must not exceed max_tokens"),
             ("stop_token_ids", all(_is_token_id(t) for t in self.stop_token_ids), "must be non-negative token ids"),
-            ("logit_bias", self.logit_bias is None or all(_is_token_id(t) for t in self.logit_bias),
-             "must map non-negative token ids to biases"),
-            ("logit_bias", self.logit_bias is None or all(math.isfinite(b) for b in self.logit_bias.values()),
-             "must hold finite biases"),
-            ("stop", self.stop is None or all(isinstance(s, str) and s for s in self.stop),
-             "must be non-empty strings"),
+            (
+                "logit_bias",
+                self.logit_bias is None or all(_is_token_id(t) for t in self.logit_bias),
+                "must map non-negative token ids to biases",
+            ),
+            (
+                "logit_bias",
+                self.logit_bias is None or all(math.isfinite(b) for b in self.logit_bias.values()),
+                "must hold finite biases",
+            ),
+            (
+                "stop",
+                self.stop is None or all(isinstance(s, str) and s for s in self.stop),
+                "must be non-empty strings",
+            ),
             ("stop", not self.stop or self.detokenize, "needs detokenize=True"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be non-negative"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be non-negative"),
-            ("allowed_token_ids", self.allowed_token_ids is None or (
-                len(self.allowed_token_ids) > 0 and all(_is_token_id(t) for t in self.allowed_token_ids)),
-             "must be a non-empty list of token ids"),
-            ("bad_words", self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
-             "must be non-empty strings"),
-            ("bad_words", self.bad_words is None or all(not isinstance(w, str) or _encodable(w) for w in self.bad_words),
-             "must be valid Unicode (no lone surrogates)"),
-            ("stop", self.stop is None or all(not isinstance(s, str) or _encodable(s) for s in self.stop), "must be valid Unicode (no lone surrogates)"),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None
+                or (len(self.allowed_token_ids) > 0 and all(_is_token_id(t) for t in self.allowed_token_ids)),
+                "must be a non-empty list of token ids",
+            ),
+            (
+                "bad_words",
+                self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
+                "must be non-empty strings",
+            ),
+            (
+                "bad_words",
+                self.bad_words is None or all(not isinstance(w, str) or _encodable(w) for w in self.bad_words),
+                "must be valid Unicode (no lone surrogates)",
+            ),
+            (
+                "stop",
+                self.stop is None or all(not isinstance(s, str) or _encodable(s) for s in self.stop),
+                "must be valid Unicode (no lone surrogates)",
+            ),
         ]
         for field, ok, message in checks:
             if not ok:
@@ -194,25 +229,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    def for_child(self, index: int) -> "SamplingParams":
+    def for_child(self, index: int) -> SamplingParams:
         """The settings of sequence ``index`` of an n>1 request: n=1, and its own seed if seeded."""
         seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN  # stays int64
         return msgspec.structs.replace(self, n=1, seed=seed)
 
     def validate_for_model(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids inside the vocabulary, logprob counts."""
-        for field, ids in (("logit_bias", list(self.logit_bias or {})), ("allowed_token_ids", self.allowed_token_ids or []),
-                           ("stop_token_ids", self.stop_token_ids),
-                           ("bad_words", [t for seq in self.bad_words_token_ids or [] for t in seq])):
+        for field, ids in (
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("stop_token_ids", self.stop_token_ids),
+            ("bad_words", [t for seq in self.bad_words_token_ids or [] for t in seq]),
+        ):
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad:
-                raise InvalidParameterError(f"SamplingParams.{field} has token ids outside the vocabulary "
-                                            f"[0, {vocab_size}): {bad[:5]}", field)
+                raise InvalidParameterError(
+                    f"SamplingParams.{field} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", field
+                )
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
             if value is not None and value > max_logprobs:
-                raise InvalidParameterError(f"SamplingParams.{field}={value} exceeds the server's max_logprobs={max_logprobs}",
-                                            field)
+                raise InvalidParameterError(
+                    f"SamplingParams.{field}={value} exceeds the server's max_logprobs={max_logprobs}", field
+                )
 
 
 def _encodable(text: str) -> bool:

@@ -8,6 +8,7 @@ needs, and every parallel region waits for a thread that is not running. ``impor
 engine starts (engine core, workers, `engine serve`) and in the importing process when torch was not
 imported before ``engine``. ``OMP_WAIT_POLICY=ACTIVE`` restores spinning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,6 +39,8 @@ def warn_if_not_in_effect() -> None:
     global _torch_loaded_first
     if _set_by_engine and _torch_loaded_first:
         _torch_loaded_first = False
-        logger.info("torch was imported before engine, so this process's OpenMP threads spin when idle (slow "
-                    "when other processes share the cores): set OMP_WAIT_POLICY=PASSIVE in the environment, or "
-                    "import engine first")
+        logger.info(
+            "torch was imported before engine, so this process's OpenMP threads spin when idle (slow "
+            "when other processes share the cores): set OMP_WAIT_POLICY=PASSIVE in the environment, or "
+            "import engine first"
+        )

@@ -1,4 +1,5 @@
 """Builds the C++ kernels against the installed torch (install with --no-build-isolation)."""
+
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -8,21 +9,41 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 setup(
     ext_modules=[
-        CppExtension("engine_attention_cpu._C", ["engine_attention_cpu/csrc/paged_attention.cpp"],
-                     extra_compile_args=FLAGS, extra_link_args=["-fopenmp"]),
+        CppExtension(
+            "engine_attention_cpu._C",
+            ["engine_attention_cpu/csrc/paged_attention.cpp"],
+            extra_compile_args=FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
         # no fused multiply-add: the layer kernels round where the torch ops they replace round
-        CppExtension("engine_attention_cpu._layers", ["engine_attention_cpu/csrc/layer_kernels.cpp"],
-                     extra_compile_args=FLAGS + ["-ffp-contract=off"], extra_link_args=["-fopenmp"]),
-        CppExtension("engine_attention_cpu._gemm", ["engine_attention_cpu/csrc/gemm.cpp"],
-                     extra_compile_args=FLAGS, extra_link_args=["-fopenmp"]),
+        CppExtension(
+            "engine_attention_cpu._layers",
+            ["engine_attention_cpu/csrc/layer_kernels.cpp"],
+            extra_compile_args=FLAGS + ["-ffp-contract=off"],
+            extra_link_args=["-fopenmp"],
+        ),
+        CppExtension(
+            "engine_attention_cpu._gemm",
+            ["engine_attention_cpu/csrc/gemm.cpp"],
+            extra_compile_args=FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
         # the integer-dot kernels of quantized weights (per-function ISA targets, chosen at run time); no contraction
         # into fused multiply-adds beyond the explicit ones, so every tile shape rounds alike (rows batch-invariant)
-        CppExtension("engine_attention_cpu._quant", ["engine_attention_cpu/csrc/quant_gemm.cpp"],
-                     extra_compile_args=FLAGS + ["-ffp-contract=off"], extra_link_args=["-fopenmp"]),
+        CppExtension(
+            "engine_attention_cpu._quant",
+            ["engine_attention_cpu/csrc/quant_gemm.cpp"],
+            extra_compile_args=FLAGS + ["-ffp-contract=off"],
+            extra_link_args=["-fopenmp"],
+        ),
         # the decode step captured in C++: compiles the four kernel sources above in (their bindings left out), each
         # with its own contraction setting (pragmas), so a replayed step calls the same code as the eager layers
-        CppExtension("engine_attention_cpu._graph", ["engine_attention_cpu/csrc/decode_graph.cpp"],
-                     extra_compile_args=FLAGS, extra_link_args=["-fopenmp"]),
+        CppExtension(
+            "engine_attention_cpu._graph",
+            ["engine_attention_cpu/csrc/decode_graph.cpp"],
+            extra_compile_args=FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
     ],
     cmdclass={"build_ext": BuildExtension},
 )

@@ -1,4 +1,5 @@
 """Shared availability checks for CUDA-only backends (a library is imported lazily, only to run)."""
+
 from __future__ import annotations
 
 import importlib.util

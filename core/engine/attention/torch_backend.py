@@ -4,6 +4,7 @@ Decode rows of a step (one query token each) run as one batched ``scaled_dot_pro
 over their gathered blocks; prompt chunks run one call each, straight on the new K/V when nothing
 precedes them in the cache, else over the gathered blocks with a causal offset mask.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,12 @@ import torch.nn.functional as F
 
 from engine.attention.paged_cache import write_to_paged_cache
 from engine.hookspecs import hookimpl
-from engine.interfaces.attention import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
-                                         CommonAttentionMetadata)
+from engine.interfaces.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 
 
 @dataclass
@@ -60,8 +65,14 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             decode_table = common.block_table[torch.from_numpy(decode_rows), :num_blocks].long()
             positions = torch.from_numpy(seq_lens.astype(np.int64) - 1)
             decode_mask = _window_mask(positions, num_blocks * self.block_size, self.sliding_window)[:, None, None, :]
-        return TorchAttentionMetadata(common.num_actual_tokens, common.slot_mapping, decode_indices,
-                                      decode_table, decode_mask, self.build_prefills(common, prefill_rows))
+        return TorchAttentionMetadata(
+            common.num_actual_tokens,
+            common.slot_mapping,
+            decode_indices,
+            decode_table,
+            decode_mask,
+            self.build_prefills(common, prefill_rows),
+        )
 
     def build_prefills(self, common: CommonAttentionMetadata, rows: np.ndarray) -> list[PrefillChunk]:
         """One chunk per request with more than one query token."""
@@ -74,8 +85,9 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             mask = None
             if context_len > 0 or self.sliding_window is not None:
                 mask = _window_mask(torch.arange(context_len, seq_len), seq_len, self.sliding_window)
-            prefills.append(PrefillChunk(q_start, q_end, context_len,
-                                         common.block_table[row, :num_blocks].long(), mask))
+            prefills.append(
+                PrefillChunk(q_start, q_end, context_len, common.block_table[row, :num_blocks].long(), mask)
+            )
         return prefills
 
 
@@ -86,12 +98,20 @@ def split_decodes(common: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarr
 
 
 class TorchAttentionImpl(AttentionImpl):
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                is_causal: bool = False) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool = False
+    ) -> torch.Tensor:
         """q [B, Hq, n, D], k/v [B, Hkv, L, D] -> [B, Hq, n, D]."""
         if self.logits_soft_cap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
-                                                  enable_gqa=self.num_heads != self.num_kv_heads)
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=is_causal,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
@@ -104,9 +124,11 @@ class TorchAttentionImpl(AttentionImpl):
 
     def split_heads(self, query, key, value, num_tokens: int):
         """[T, H*D] inputs as [T, H, D] views: q with the query heads, k and v with the KV heads."""
-        return (query.view(num_tokens, self.num_heads, self.head_size),
-                key.view(num_tokens, self.num_kv_heads, self.head_size),
-                value.view(num_tokens, self.num_kv_heads, self.head_size))
+        return (
+            query.view(num_tokens, self.num_heads, self.head_size),
+            key.view(num_tokens, self.num_kv_heads, self.head_size),
+            value.view(num_tokens, self.num_kv_heads, self.head_size),
+        )
 
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchAttentionMetadata):
         num_tokens = attn_metadata.num_actual_tokens
@@ -131,20 +153,21 @@ class TorchAttentionImpl(AttentionImpl):
         """[Hkv, seq_len, D]: one request's first ``seq_len`` keys (or values) from its blocks."""
         return cache[block_ids].view(-1, self.num_kv_heads, self.head_size)[:seq_len].transpose(0, 1)
 
-    def attend_prefills(self, q, k, v, key_cache, value_cache, prefills: list[PrefillChunk],
-                        output: torch.Tensor) -> None:
+    def attend_prefills(
+        self, q, k, v, key_cache, value_cache, prefills: list[PrefillChunk], output: torch.Tensor
+    ) -> None:
         """Each prompt chunk in one SDPA call: on its own K/V, or over the gathered blocks with a prefix."""
         for chunk in prefills:
-            qp = q[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)
+            qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)
             if chunk.context_len == 0:
-                kp = k[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)
-                vp = v[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)
+                kp = k[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)
+                vp = v[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)
             else:
                 seq_len = chunk.context_len + chunk.q_end - chunk.q_start
                 kp = self.gather_context(key_cache, chunk.block_ids, seq_len).unsqueeze(0)
                 vp = self.gather_context(value_cache, chunk.block_ids, seq_len).unsqueeze(0)
             out = self._attend(qp, kp, vp, chunk.mask, is_causal=chunk.mask is None)
-            output[chunk.q_start:chunk.q_end] = out.squeeze(0).transpose(0, 1)
+            output[chunk.q_start : chunk.q_end] = out.squeeze(0).transpose(0, 1)
 
 
 class TorchAttentionBackend(AttentionBackend):

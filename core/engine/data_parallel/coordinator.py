@@ -5,16 +5,19 @@ Engine cores push an ``EngineLoad`` after steps that changed their queues or pre
 socket at most every ``PUBLISH_INTERVAL_S`` when something changed, and at least every
 ``HEARTBEAT_INTERVAL_S`` (a front end that subscribes late gets the state within that time).
 """
+
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import time
 from typing import Optional
 
 import zmq
 
-from engine.runtime.lifetime import exit_on_sigterm, set_process_name, watch_parent
-from engine.runtime.messages import ENCODER, LOAD_DECODER, DPState, EngineLoad
+from engine.lifetime import exit_on_sigterm, set_process_name, start_process, watch_parent
+from engine.messages import ENCODER, LOAD_DECODER, DPState, EngineLoad, EngineZmqAddresses
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.05
@@ -48,16 +51,18 @@ class DPCoordinator:
         return DPState(list(self.loads))
 
 
-def run_dp_coordinator(num_ranks: int, input_address: str, output_address: str, parent_pid: int,
-                       log_level: int) -> None:
+def run_dp_coordinator(
+    num_ranks: int, input_address: str, output_address: str, parent_pid: int, log_level: int
+) -> None:
     """Process entry point: serve until SIGTERM or until the parent (the engine's launcher) is gone."""
     exit_on_sigterm()
     set_process_name("DPCoordinator")
     ctx = zmq.Context()
     try:
         watch_parent(parent_pid, "DP coordinator")
-        logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                            datefmt="%H:%M:%S")
+        logging.basicConfig(
+            level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        )
         reports = ctx.socket(zmq.PULL)
         reports.bind(input_address)
         publisher = ctx.socket(zmq.PUB)
@@ -78,3 +83,23 @@ def run_dp_coordinator(num_ranks: int, input_address: str, output_address: str, 
         pass
     finally:
         ctx.destroy(linger=0)
+
+
+def start_dp_coordinator(data_parallel_size: int, addresses: EngineZmqAddresses):
+    """The DP coordinator process (None without data parallelism), a child of this process."""
+    if addresses.coordinator_input is None:
+        return None
+    coordinator = multiprocessing.get_context("spawn").Process(
+        target=run_dp_coordinator,
+        name="DPCoordinator",
+        daemon=True,
+        args=(
+            data_parallel_size,
+            addresses.coordinator_input,
+            addresses.coordinator_output,
+            os.getpid(),
+            logging.getLogger("engine").getEffectiveLevel(),
+        ),
+    )
+    start_process(coordinator)
+    return coordinator

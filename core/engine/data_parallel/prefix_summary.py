@@ -6,6 +6,7 @@ already uniform, so the filter's probe positions are simply three 32-bit words o
 has a fixed size per core (16 bits per KV block it could cache), so with every block cached about 1.4% of
 lookups are false positives; a false positive costs a routing decision, never a wrong token.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -35,8 +36,8 @@ class PrefixSummary:
         self.num_bits = num_bits
 
     @classmethod
-    def build(cls, block_hashes: Iterable[bytes], num_bits: int) -> "PrefixSummary":
-        digests = b"".join(h[:4 * NUM_PROBES] for h in block_hashes)
+    def build(cls, block_hashes: Iterable[bytes], num_bits: int) -> PrefixSummary:
+        digests = b"".join(h[: 4 * NUM_PROBES] for h in block_hashes)
         bits = np.zeros(num_bits // 8, dtype=np.uint8)
         if digests:
             probes = np.frombuffer(digests, dtype="<u4") & np.uint32(num_bits - 1)
@@ -46,7 +47,7 @@ class PrefixSummary:
     def __contains__(self, block_hash: bytes) -> bool:
         mask = self.num_bits - 1
         for probe in range(NUM_PROBES):
-            position = int.from_bytes(block_hash[4 * probe:4 * probe + 4], "little") & mask
+            position = int.from_bytes(block_hash[4 * probe : 4 * probe + 4], "little") & mask
             if not self.bits[position >> 3] & (1 << (position & 7)):
                 return False
         return True

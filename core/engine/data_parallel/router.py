@@ -10,6 +10,7 @@ prefix summary holds, or what this front end sent it in the last few seconds (wh
 yet). No rank holding at least half of the prompt's blocks: the least loaded (a short shared head, such as a
 chat template's system prompt, is cheap to compute anywhere and must not pull every request to one rank).
 """
+
 from __future__ import annotations
 
 import time
@@ -19,7 +20,7 @@ from typing import Optional
 from engine.config import VllmConfig
 from engine.data_parallel.prefix_summary import PrefixSummary
 from engine.kv_cache.hashing import extend_block_hashes
-from engine.runtime.messages import DPState, EngineCoreRequest
+from engine.messages import DPState, EngineCoreRequest
 
 WAITING_WEIGHT = 4
 RECENT_TTL_S = 5.0  # a routed prefix counts for its rank this long; later the rank's own summary answers
@@ -49,7 +50,7 @@ class DPRouter:
 
     # ---- state from the coordinator ------------------------------------------------------------------------
     def update(self, state: DPState) -> None:
-        for rank, load in enumerate(state.loads[:self.num_ranks]):
+        for rank, load in enumerate(state.loads[: self.num_ranks]):
             if load is None:
                 continue
             self.waiting[rank], self.running[rank] = load.num_waiting, load.num_running
@@ -58,8 +59,10 @@ class DPRouter:
         self.sent_since_state = [0] * self.num_ranks
 
     def scores(self) -> list[int]:
-        return [WAITING_WEIGHT * (self.waiting[r] + self.sent_since_state[r]) + self.running[r]
-                for r in range(self.num_ranks)]
+        return [
+            WAITING_WEIGHT * (self.waiting[r] + self.sent_since_state[r]) + self.running[r]
+            for r in range(self.num_ranks)
+        ]
 
     # ---- routing --------------------------------------------------------------------------------------------
     def route(self, request: EngineCoreRequest) -> int:

@@ -5,6 +5,7 @@ Ranks are laid out as vLLM lays them out: global rank = pp_rank x TP + tp_rank, 
 are neighbours and the last stage's first rank (world - TP) is the one whose step output is the engine's.
 Every collective is a no-op in a group of one rank.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,8 +17,13 @@ import torch.distributed as dist
 class GroupCoordinator:
     """Rank, size and collectives of one process group; ``ranks`` are the members' global ranks."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: Optional[dist.ProcessGroup] = None,
-                 ranks: Optional[list[int]] = None):
+    def __init__(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        group: Optional[dist.ProcessGroup] = None,
+        ranks: Optional[list[int]] = None,
+    ):
         self.rank = rank  # rank within this group
         self.world_size = world_size
         self.group = group
@@ -77,8 +83,9 @@ def get_pp_group() -> GroupCoordinator:
     return _PP_GROUP
 
 
-def init_model_parallel(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int, init_method: str,
-                        backend: str) -> tuple[GroupCoordinator, GroupCoordinator]:
+def init_model_parallel(
+    rank: int, tensor_parallel_size: int, pipeline_parallel_size: int, init_method: str, backend: str
+) -> tuple[GroupCoordinator, GroupCoordinator]:
     """Join the world of TP x PP workers and this rank's TP and PP groups (one process per rank)."""
     global _TP_GROUP, _PP_GROUP
     tp, pp = tensor_parallel_size, pipeline_parallel_size
@@ -117,8 +124,10 @@ def pipeline_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[i
     """[start, end) of the decoder layers stage ``pp_rank`` holds: contiguous slices, the first stages
     taking one extra layer each when the count does not divide (every stage holds at least one layer)."""
     if pp_size > num_layers:
-        raise ValueError(f"parallel.pipeline_parallel_size ({pp_size}) exceeds the model's {num_layers} layers: "
-                         "every stage must hold at least one layer")
+        raise ValueError(
+            f"parallel.pipeline_parallel_size ({pp_size}) exceeds the model's {num_layers} layers: "
+            "every stage must hold at least one layer"
+        )
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return start, start + base + (1 if pp_rank < extra else 0)

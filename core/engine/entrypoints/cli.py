@@ -1,4 +1,5 @@
 """The ``engine`` command: ``generate`` and ``plugins`` (every config key is also a flag)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,17 +13,26 @@ from engine.entrypoints.config_flags import add_config_flags, config_from_args
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.runtime.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     config = config_from_args(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
     llm = LLM.from_config(config)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -31,17 +41,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for output in outputs:
         completion = output.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": output.prompt, "text": completion.text, "token_ids": completion.token_ids,
-                              "finish_reason": completion.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": output.prompt,
+                        "text": completion.text,
+                        "token_ids": completion.token_ids,
+                        "finish_reason": completion.finish_reason,
+                    }
+                )
+            )
         else:
-            print(f"{output.prompt if not args.chat else ''}{completion.text}\n[finish_reason={completion.finish_reason}, "
-                  f"{len(completion.token_ids)} tokens]")
+            print(
+                f"{output.prompt if not args.chat else ''}{completion.text}\n"
+                f"[finish_reason={completion.finish_reason}, {len(completion.token_ids)} tokens]"
+            )
     llm.shutdown()
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine.entrypoints.openai.api_server import run_server
+    from engine.entrypoints.openai.run import run_server
 
     if args.model_tag:
         args.cfg__model__model = args.model_tag
@@ -79,6 +99,18 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+CLI_ENTRY_POINT_GROUP = "engine.cli"  # installed distributions add subcommands: engine-bench adds `bench`
+
+
+def add_installed_commands(sub) -> None:
+    """Subcommands of installed distributions: each ``engine.cli`` entry point is a function that adds its
+    parser to ``sub`` (``engine bench`` comes from the engine-bench distribution)."""
+    import importlib.metadata
+
+    for entry in sorted(importlib.metadata.entry_points(group=CLI_ENTRY_POINT_GROUP), key=lambda e: e.name):
+        entry.load()(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description="LLM inference engine with pluggable parts")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,9 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(plug)
     plug.set_defaults(func=cmd_plugins)
 
-    from engine.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
+    add_installed_commands(sub)
 
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.add_argument("--output", help="write to this file instead of stdout")

@@ -1,15 +1,20 @@
 """Config keys as command-line flags, shared by every ``engine`` subcommand (bench included)."""
+
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import typing
 from typing import Any
 
 from engine.config import FLAT_ALIASES, SECTION_ALIASES, SECTIONS, VllmConfig, _json_section
 
-
-SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}  # vLLM's short spellings
+SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp",
+    "pipeline_parallel_size": "-pp",
+    "data_parallel_size": "-dp",
+}  # vLLM's short spellings
 
 
 def _flag_type(annotation) -> Any:
@@ -29,6 +34,7 @@ def _flag_type(annotation) -> Any:
 
 def _value_list(kind):
     """A flag type that also takes a comma-separated list (kept as text: one A/B variant per value)."""
+
     def convert(text: str):
         return text if "," in text else kind(text)
 
@@ -56,9 +62,15 @@ def add_config_flags(parser: argparse.ArgumentParser, value_lists: bool = False)
             if not flags:
                 continue
             kind = _flag_type(field.annotation)
-            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-            common = dict(dest=f"cfg__{section}__{name}", default=None, metavar=None if kind is bool else names[0].upper(),
-                          help=f"{field.description} (default: {field.get_default(call_default_factory=True)})")
+            choices = (
+                typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+            )
+            common: dict[str, Any] = dict(
+                dest=f"cfg__{section}__{name}",
+                default=None,
+                metavar=None if kind is bool else names[0].upper(),
+                help=f"{field.description} (default: {field.get_default(call_default_factory=True)})",
+            )
             if kind is bool:
                 common.pop("metavar")
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
@@ -69,10 +81,14 @@ def add_config_flags(parser: argparse.ArgumentParser, value_lists: bool = False)
             else:
                 group.add_argument(*flags, type=kind, choices=choices, **common)
     for alias, section in SECTION_ALIASES.items():
-        parser.add_argument(f"--{alias.replace('_', '-')}", dest=f"cfgsection__{section}", default=None,
-                            type=lambda text, section=section: _json_section(section, text), metavar="JSON",
-                            help=f"the whole '{section}' section as a JSON object (vLLM's flag); single-key "
-                                 f"flags override its keys")
+        parser.add_argument(
+            f"--{alias.replace('_', '-')}",
+            dest=f"cfgsection__{section}",
+            default=None,
+            type=functools.partial(_json_section, section),
+            metavar="JSON",
+            help=f"the whole '{section}' section as a JSON object (vLLM's flag); single-key flags override its keys",
+        )
 
 
 def _flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -90,7 +106,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def config_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The YAML file's sections with the flags merged over them (for building several configs)."""
-    from engine.config import _YamlSource, _yaml_file
+    from engine.config import _yaml_file, _YamlSource
 
     overrides: dict[str, dict[str, Any]] = {}
     if getattr(args, "config_file", None):

@@ -1,4 +1,5 @@
 """Attention backend interface: a backend class, a metadata builder and an implementation."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -42,8 +43,9 @@ class CommonAttentionMetadata:
 class AttentionMetadataBuilder(ABC):
     """Turns the common metadata into the backend's own tensors, once per step."""
 
-    def __init__(self, options: dict[str, Any], device: torch.device, block_size: int,
-                 sliding_window: Optional[int] = None):
+    def __init__(
+        self, options: dict[str, Any], device: torch.device, block_size: int, sliding_window: Optional[int] = None
+    ):
         self.options = options
         self.device = device
         self.block_size = block_size
@@ -57,9 +59,16 @@ class AttentionMetadataBuilder(ABC):
 class AttentionImpl(ABC):
     """Computes attention for one layer and writes the new K/V into the paged cache."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
-                 options: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
+        options: Optional[dict[str, Any]] = None,
+    ):
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -69,8 +78,9 @@ class AttentionImpl(ABC):
         self.options = options or {}
 
     @abstractmethod
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
         """query [T, Hq*D], key/value [T, Hkv*D] -> output [T, Hq*D]; new K/V go into ``kv_cache``."""
 
 
@@ -91,13 +101,11 @@ class AttentionBackend(Pluggable):
 
     @staticmethod
     @abstractmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        ...
+    def get_impl_cls() -> type[AttentionImpl]: ...
 
     @staticmethod
     @abstractmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        ...
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
 
     @classmethod
     def library_reasons(cls) -> list[str]:

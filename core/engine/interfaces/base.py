@@ -1,4 +1,5 @@
 """What every pluggable implementation shares: a name, a priority and its reasons not to run."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,8 +14,8 @@ if TYPE_CHECKING:
 class SelectionContext:
     """What an implementation may look at to decide whether it can serve."""
 
-    config: "VllmConfig"
-    model_info: Optional["ModelInfo"] = None
+    config: VllmConfig
+    model_info: Optional[ModelInfo] = None
     num_kv_cache_groups: Optional[int] = None
     extra: dict[str, Any] = field(default_factory=dict)
 

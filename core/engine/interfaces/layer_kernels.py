@@ -5,14 +5,18 @@ each row instead of one per torch op, or a matrix product on weights packed once
 ``native`` (built in) is the torch code every other implementation is measured against; an
 implementation may return new tensors or write in place where the method says it may.
 """
+
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from engine.interfaces.base import Pluggable
+
+if TYPE_CHECKING:
+    from engine.config import VllmConfig
 
 
 class DecodeCaptureUnsupported(Exception):
@@ -29,8 +33,9 @@ class CapturedDecodeStep:
     # steps of up to max_batch_size tokens in all; it still returns None for any step it does not take
     takes_short_queries: bool = False
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn_metadata: list) -> Optional[torch.Tensor]:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[Any]
+    ) -> Optional[torch.Tensor]:
         """The final hidden states of a step whose every token is a decode token, or None when this step is not
         one the capture takes (the runner then runs the model eagerly)."""
         raise NotImplementedError
@@ -40,7 +45,7 @@ class LayerKernels(Pluggable):
     """Kernels for RMSNorm, SiLU-and-multiply, rotary embeddings and the linear layers' products;
     chosen by ``device.layer_kernels``."""
 
-    def configure(self, vllm_config) -> None:
+    def configure(self, vllm_config: VllmConfig) -> None:
         """Read the engine's settings (the worker calls it once, before loading; ``device.kernel_cache`` says
         whether measured kernel choices may be read from the disk cache)."""
 
@@ -48,12 +53,13 @@ class LayerKernels(Pluggable):
         """Prepare the loaded model's weights for these kernels (the loader calls it once, after every weight
         is loaded). By default every linear product goes through ``pack_linear``; a device's policy (such as
         keeping 16-bit weights in float32 on CPUs without 16-bit GEMMs) belongs in an override."""
-        from engine.model.layers.linear import pack_linear_layers
+        from engine.model.layers.packing import pack_linear_layers
 
         pack_linear_layers(model, self.pack_linear)
 
-    def pack_linear(self, weight: torch.Tensor,
-                    bias: Optional[torch.Tensor] = None) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    def pack_linear(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """The product ``x @ weight.T + bias`` prepared once, at load, for this device (a weight
         reordered into the layout of a GEMM kernel), as a callable returning x's dtype; or None to
         keep the plain ``F.linear``. ``process_weights_after_loading`` calls it for every linear layer
@@ -66,8 +72,9 @@ class LayerKernels(Pluggable):
         the weight product (Hugging Face's LlamaRMSNorm)."""
 
     @abstractmethod
-    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(x + residual), x + residual)``; x and residual may be overwritten."""
 
     @abstractmethod
@@ -75,8 +82,15 @@ class LayerKernels(Pluggable):
         """``silu(gate) * up`` where ``x = [gate | up]`` on the last dimension."""
 
     @abstractmethod
-    def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        head_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """GPT-NeoX rotary embedding of query ``[T, H * D]`` and key ``[T, Hkv * D]``.
 
         ``cos`` and ``sin`` are ``[max_position, rotary_dim]`` float32 tables, ``sin`` carrying
@@ -84,7 +98,7 @@ class LayerKernels(Pluggable):
         query and key may be rotated in place (they may be views of one fused QKV output).
         """
 
-    def capture_decode_step(self, model: torch.nn.Module, attention_layers: dict) -> CapturedDecodeStep:
+    def capture_decode_step(self, model: torch.nn.Module, attention_layers: dict[str, Any]) -> CapturedDecodeStep:
         """The model's decode step captured for replay (after its KV caches are allocated, once per allocation),
         or ``DecodeCaptureUnsupported`` saying why not; the runner replays it unless ``model.enforce_eager``.
         By default the layers run eagerly."""

@@ -1,21 +1,90 @@
 """LogitsProcessor interface: acts on the rows of the requests that ask for it."""
+
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, cast
 
 import numpy as np
 import torch
 
 from engine.interfaces.base import Pluggable
-from engine.interfaces.legacy import LogitsRequestView
 
-__all__ = ["LogitsBatch", "LogitsProcessor", "LogitsRequestView"]  # LogitsRequestView: the contract 1.2 view
+__all__ = ["SAMPLING_COLUMNS", "BatchRows", "LogitsBatch", "LogitsProcessor", "LogitsRequestView"]
 
 if TYPE_CHECKING:
+    from engine.config import VllmConfig
     from engine.sampling_params import SamplingParams
-    from engine.worker.input_batch import InputBatch
+
+# the per-row sampling settings a processor can read as a column, and their dtypes
+SAMPLING_COLUMNS = {
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "top_k": np.int64,
+    "min_p": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "repetition_penalty": np.float32,
+}
+
+
+@dataclass
+class LogitsRequestView:
+    """Contract 1.2: what a logits processor could read about one request (kept for 1.2 plugins, see ``legacy``)."""
+
+    params: object  # SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: Optional[int]
+
+
+class BatchRows(Protocol):
+    """What a ``LogitsBatch`` reads: per-row arrays indexed by batch row (the runner's persistent input batch
+    provides them without a copy)."""
+
+    @property
+    def req_ids(self) -> Sequence[Optional[str]]: ...  # None: a free row (never one a LogitsBatch reads)
+
+    @property
+    def params(self) -> Sequence[Optional[SamplingParams]]: ...
+
+    num_prompt_tokens: np.ndarray  # [rows] int
+    num_tokens: np.ndarray  # [rows] int: prompt and output tokens known so far
+    token_ids: np.ndarray  # [rows, width] int: prompt then output tokens
+    eos_token_id: np.ndarray  # [rows] int, -1 where none
+
+    def sampling_column(self, name: str) -> np.ndarray:
+        """[rows] the setting ``name`` of ``SAMPLING_COLUMNS`` for each row."""
+        ...
+
+
+class RequestRows:
+    """``BatchRows`` of a few requests, built from their lists (``LogitsBatch.from_requests``)."""
+
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        eos_token_id: Optional[int] = None,
+    ):
+        tokens = [list(p) + list(o) for p, o in zip(prompt_token_ids, output_token_ids)]
+        self.req_ids = [f"req-{i}" for i in range(len(params))]
+        self.params = list(params)
+        self.num_prompt_tokens = np.array([len(p) for p in prompt_token_ids], dtype=np.int64)
+        self.num_tokens = np.array([len(t) for t in tokens], dtype=np.int64)
+        self.token_ids = np.zeros((len(tokens), max(map(len, tokens), default=0) + 1), dtype=np.int64)
+        for row, ids in enumerate(tokens):
+            self.token_ids[row, : len(ids)] = ids
+        self.eos_token_id = np.full(len(params), -1 if eos_token_id is None else eos_token_id, dtype=np.int64)
+        self._columns = {
+            name: np.array([getattr(p, name) for p in params], dtype=dtype) for name, dtype in SAMPLING_COLUMNS.items()
+        }
+
+    def sampling_column(self, name: str) -> np.ndarray:
+        return self._columns[name]
 
 
 class LogitsBatch:
@@ -29,36 +98,36 @@ class LogitsBatch:
     processor that reads tokens through this view acts on every position as plain decoding would.
     """
 
-    def __init__(self, rows: torch.Tensor, input_batch: "InputBatch", batch_rows: np.ndarray,
-                 num_tokens: "np.ndarray | None" = None):
+    def __init__(
+        self, rows: torch.Tensor, batch: BatchRows, batch_rows: np.ndarray, num_tokens: np.ndarray | None = None
+    ):
         self.rows = rows
-        self._batch = input_batch
+        self._batch = batch
         self._batch_rows = batch_rows
-        self._num_tokens = input_batch.num_tokens[batch_rows] if num_tokens is None else num_tokens
+        self._num_tokens = batch.num_tokens[batch_rows] if num_tokens is None else num_tokens
 
     @classmethod
-    def from_requests(cls, params: list["SamplingParams"], prompt_token_ids: list[list[int]],
-                      output_token_ids: list[list[int]], eos_token_id: int | None = None) -> "LogitsBatch":
+    def from_requests(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        eos_token_id: int | None = None,
+    ) -> LogitsBatch:
         """A batch of the given requests on rows 0..n-1 of the logits, outside any engine (for unit tests)."""
-        from engine.worker.input_batch import CachedRequestState, InputBatch
-
-        longest = max((len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids)), default=0)
-        batch = InputBatch(len(params), longest + 1, [], 0)
-        for i, (p, prompt, output) in enumerate(zip(params, prompt_token_ids, output_token_ids)):
-            batch.add_request(CachedRequestState(f"req-{i}", list(prompt), list(prompt) + list(output), p, [],
-                                                 0, eos_token_id, []))
-        return cls(torch.arange(len(params)), batch, np.arange(len(params)))
+        rows = RequestRows(params, prompt_token_ids, output_token_ids, eos_token_id)
+        return cls(torch.arange(len(params)), rows, np.arange(len(params)))
 
     def __len__(self) -> int:
         return len(self._batch_rows)
 
     @cached_property
     def req_ids(self) -> list[str]:
-        return [self._batch.req_ids[r] for r in self._batch_rows]
+        return [cast(str, self._batch.req_ids[r]) for r in self._batch_rows]
 
     @cached_property
-    def params(self) -> list["SamplingParams"]:
-        return [self._batch.params[r] for r in self._batch_rows]
+    def params(self) -> list[SamplingParams]:
+        return [cast("SamplingParams", self._batch.params[r]) for r in self._batch_rows]
 
     @cached_property
     def num_prompt_tokens(self) -> torch.Tensor:
@@ -87,7 +156,7 @@ class LogitsBatch:
         row = self._batch_rows[i]
         end = int(self._num_tokens[i])
         start = max(int(self._batch.num_prompt_tokens[row]), end - length)
-        return self._batch.token_ids[row, start:end].tolist()
+        return [int(t) for t in self._batch.token_ids[row, start:end]]
 
     @cached_property
     def eos_token_ids(self) -> torch.Tensor:
@@ -107,12 +176,12 @@ class LogitsProcessor(Pluggable):
     it enters the worker's batch; ``apply`` runs every step that samples any of those requests.
     """
 
-    def __init__(self, vllm_config):
+    def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
 
     @classmethod
     @abstractmethod
-    def requested_by(cls, params) -> bool:
+    def requested_by(cls, params: SamplingParams) -> bool:
         """Whether a request with these SamplingParams uses this processor."""
 
     @abstractmethod

@@ -1,9 +1,10 @@
 """Proposer interface: drafts tokens that the target model verifies (speculative decoding)."""
+
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ class ProposalBatch:
         return len(self.req_ids)
 
     def token_ids(self, i: int) -> np.ndarray:
-        return self._token_rows[self._batch_rows[i], :self._num_tokens[i]]
+        return self._token_rows[self._batch_rows[i], : self._num_tokens[i]]
 
 
 class Proposer(Pluggable):
@@ -44,11 +45,11 @@ class Proposer(Pluggable):
     guesses: the rejection sampler treats each as a point-mass draft distribution.
     """
 
-    def __init__(self, vllm_config: "VllmConfig"):
+    def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
         self.num_speculative_tokens = vllm_config.speculative.num_speculative_tokens
 
-    def load(self, model_runner) -> None:
+    def load(self, model_runner: Any) -> None:
         """Called once after the target model has loaded (a draft model loads its own weights here)."""
 
     @abstractmethod

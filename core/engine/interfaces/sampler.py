@@ -1,14 +1,42 @@
 """Sampler interface: logits of the positions to sample -> token ids."""
+
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from engine.interfaces.base import Pluggable
-from engine.sample.ops import seeded_uniform
+
+if TYPE_CHECKING:
+    from engine.config import VllmConfig
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    mixed: np.ndarray = z ^ (z >> np.uint64(31))
+    return mixed
+
+
+def seeded_uniform(seeds: np.ndarray, counters: np.ndarray, num_draws: int = 1) -> np.ndarray:
+    """[N, num_draws] float64 in [0, 1), a pure function of (seed, counter, draw): counter-based, so a seeded
+    request's numbers depend on nothing else in the batch and need no generator state to survive preemption."""
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.asarray(seeds, dtype=np.int64).view(np.uint64))
+        stream = _splitmix64(key ^ np.asarray(counters, dtype=np.uint64))
+        bits = _splitmix64(stream[:, None] + np.arange(num_draws, dtype=np.uint64) * _GOLDEN)
+    uniform: np.ndarray = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return uniform
 
 
 @dataclass
@@ -35,9 +63,11 @@ class SamplingMetadata:
         torch's global generator."""
         draws = torch.rand(len(self.temperature), num_draws, dtype=torch.float64)
         if self.seeded is not None and bool(self.seeded.any()):
+            assert self.seeds is not None and self.output_index is not None
             rows = self.seeded.nonzero().squeeze(1)
-            draws[rows] = torch.from_numpy(seeded_uniform(self.seeds[rows].numpy(),
-                                                          self.output_index[rows].numpy(), num_draws))
+            draws[rows] = torch.from_numpy(
+                seeded_uniform(self.seeds[rows].numpy(), self.output_index[rows].numpy(), num_draws)
+            )
         return draws
 
 
@@ -53,9 +83,8 @@ class Sampler(Pluggable):
     that sample (already changed by the logits processors) and their ``SamplingMetadata``.
     """
 
-    def __init__(self, vllm_config):
+    def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
 
     @abstractmethod
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        ...
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput: ...

@@ -9,6 +9,7 @@ back with ``accept_tokens``. With speculative decoding a request's drafts are fi
 allows (``validate_tokens``), and it gets one bitmask row per position: the matcher accepts each draft to fill
 the next row, then ``rollback`` returns it to where it stood.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -73,20 +74,20 @@ class StructuredOutputBackend(Pluggable):
     #: the request kinds this backend can compile (a subset of json, regex, choice, grammar, json_object)
     supported_kinds: tuple[str, ...] = ("json", "regex", "choice", "grammar", "json_object")
 
-    def __init__(self, vllm_config: "VllmConfig", tokenizer, vocab_size: int, eos_token_id: Optional[int]):
+    def __init__(self, vllm_config: VllmConfig, tokenizer: Any, vocab_size: int, eos_token_id: Optional[int]):
         self.vllm_config = vllm_config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
 
     @classmethod
-    def validate(cls, params: "StructuredOutputsParams") -> None:
+    def validate(cls, params: StructuredOutputsParams) -> None:
         """Raise ValueError naming the problem unless this backend can compile ``params``."""
         if params.kind not in cls.supported_kinds:
             raise ValueError(f"the {cls.name} structured-output backend cannot express a {params.kind} constraint")
 
     @abstractmethod
-    def compile_grammar(self, params: "StructuredOutputsParams") -> Any:
+    def compile_grammar(self, params: StructuredOutputsParams) -> Any:
         """Compile a constraint against the tokenizer (runs on a worker thread; the result is cached)."""
 
     @abstractmethod

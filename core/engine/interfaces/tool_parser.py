@@ -3,6 +3,7 @@
 Used for ``tool_choice: "auto"`` (the model decides whether to call a tool, in its own format). A parser is
 constructed per chat request in the API server as ``cls(tokenizer)``, so it may keep the state of one stream.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -49,7 +50,7 @@ class DeltaMessage:
 class ToolParser(Pluggable):
     """Finds tool calls in a model's text; chosen by ``server.tool_call_parser``."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
     @abstractmethod
@@ -57,7 +58,8 @@ class ToolParser(Pluggable):
         """Split a finished answer into content and tool calls (text that does not parse stays content)."""
 
     @abstractmethod
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
-                                     finished: bool) -> Optional[DeltaMessage]:
+    def extract_tool_calls_streaming(
+        self, previous_text: str, current_text: str, delta_text: str, finished: bool
+    ) -> Optional[DeltaMessage]:
         """The delta to send for ``delta_text`` (None: nothing yet, the text is held back); ``finished``: the
         last delta of the answer, everything held back must come out."""

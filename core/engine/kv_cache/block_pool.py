@@ -1,4 +1,5 @@
 """BlockPool: every KV block, pre-allocated, with ref counts, an LRU free queue and the prefix cache."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -108,8 +109,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int, group_id: int = 0) -> None:
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        group_id: int = 0,
+    ) -> None:
         """Give blocks ``[num_cached_blocks, num_full_blocks)`` their keys and make them findable."""
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]

@@ -1,4 +1,5 @@
 """Built-in KV-cache coordinators, registered through the KVCacheCoordinator hook."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -14,12 +15,16 @@ class GroupedKVCacheCoordinator(KVCacheCoordinator):
 
     def __init__(self, kv_cache_config, block_pool, enable_caching: bool, max_model_len: int):
         super().__init__(kv_cache_config, block_pool, enable_caching, max_model_len)
-        self.managers = [manager_for_spec(group.spec, block_pool, enable_caching, group_id)
-                         for group_id, group in enumerate(kv_cache_config.groups)]
+        self.managers = [
+            manager_for_spec(group.spec, block_pool, enable_caching, group_id)
+            for group_id, group in enumerate(kv_cache_config.groups)
+        ]
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks):
-        return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, hits)
-                   for m, hits in zip(self.managers, new_computed_blocks))
+        return sum(
+            m.get_num_blocks_to_allocate(request_id, num_tokens, hits)
+            for m, hits in zip(self.managers, new_computed_blocks)
+        )
 
     def save_new_computed_blocks(self, request_id, new_computed_blocks):
         for manager, hits in zip(self.managers, new_computed_blocks):

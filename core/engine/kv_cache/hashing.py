@@ -1,4 +1,5 @@
 """Prefix-cache block hashes: each full block's hash chains its parent's, its tokens and extra keys."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,15 +9,17 @@ from typing import Any, Optional, Sequence
 BlockHash = bytes
 
 
-def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int],
-                      extra_keys: Optional[tuple[Any, ...]] = None) -> BlockHash:
+def hash_block_tokens(
+    parent_hash: Optional[BlockHash], token_ids: Sequence[int], extra_keys: Optional[tuple[Any, ...]] = None
+) -> BlockHash:
     """sha256 over (parent hash, the block's token ids, extra keys such as a cache salt)."""
     payload = pickle.dumps((parent_hash, tuple(token_ids), extra_keys), protocol=5)
     return hashlib.sha256(payload).digest()
 
 
-def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: Optional[str] = None) -> None:
+def extend_block_hashes(
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None
+) -> None:
     """Append the hashes of blocks that became full since the last call.
 
     The cache salt enters the first block only, so requests with different salts share nothing.
@@ -26,5 +29,5 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
     parent = block_hashes[-1] if block_hashes else None
     for index in range(start, num_full):
         extra = (cache_salt,) if index == 0 and cache_salt is not None else None
-        parent = hash_block_tokens(parent, token_ids[index * block_size:(index + 1) * block_size], extra)
+        parent = hash_block_tokens(parent, token_ids[index * block_size : (index + 1) * block_size], extra)
         block_hashes.append(parent)

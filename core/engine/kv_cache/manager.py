@@ -1,4 +1,5 @@
 """KVCacheManager: the scheduler's view of the paged cache."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,7 @@ class KVCacheBlocks:
 class KVCacheManager:
     """Finds prefix hits, allocates slots for scheduled tokens and frees finished requests."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig, coordinator_cls: type, max_model_len: int,
-                 enable_caching: bool):
+    def __init__(self, kv_cache_config: KVCacheConfig, coordinator_cls: type, max_model_len: int, enable_caching: bool):
         self.kv_cache_config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.max_model_len = max_model_len
@@ -58,21 +58,25 @@ class KVCacheManager:
         self.prefix_cache_stats.hits += num_hit_tokens
         return KVCacheBlocks(blocks), num_hit_tokens
 
-    def allocate_slots(self, request, num_new_tokens: int, new_computed_blocks: Optional[KVCacheBlocks] = None,
-                       num_new_computed_tokens: int = 0) -> Optional[KVCacheBlocks]:
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        new_computed_blocks: Optional[KVCacheBlocks] = None,
+        num_new_computed_tokens: int = 0,
+    ) -> Optional[KVCacheBlocks]:
         """Make room for ``num_new_tokens`` more tokens; None when the pool cannot (caller preempts)."""
-        new_computed_blocks = self.coordinator.empty_blocks() if new_computed_blocks is None else new_computed_blocks.blocks
+        hit_blocks = self.coordinator.empty_blocks() if new_computed_blocks is None else new_computed_blocks.blocks
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
-        needed = self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot,
-                                                             new_computed_blocks)
+        needed = self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens_need_slot, hit_blocks)
         if needed > self.block_pool.get_num_free_blocks():
             return None
         if self.enable_caching:
-            for hits in new_computed_blocks:
+            for hits in hit_blocks:
                 self.block_pool.touch(hits)
-        self.coordinator.save_new_computed_blocks(request.request_id, new_computed_blocks)
+        self.coordinator.save_new_computed_blocks(request.request_id, hit_blocks)
         new_blocks = self.coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot)
         if self.enable_caching:
             # Only tokens whose ids are known can be cached (not the slot of a token yet to be sampled).

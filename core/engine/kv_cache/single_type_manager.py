@@ -1,4 +1,5 @@
 """Per-group block bookkeeping: which blocks each request holds in one KV-cache group."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -34,8 +35,9 @@ class SingleTypeKVCacheManager:
     def _is_real(self, block: KVCacheBlock) -> bool:
         return block is not self.block_pool.null_block
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[KVCacheBlock]) -> int:
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
         num_required = -(-num_tokens // self.block_size)
         num_new = num_required - len(new_computed_blocks) - len(self.req_to_blocks[request_id])
         # Hit blocks that nobody holds sit in the free queue: taking them uses up free blocks too.
@@ -63,8 +65,9 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens // self.block_size, len(block_hashes))
         num_cached = self.num_cached_blocks.get(request_id, 0)
         if num_full > num_cached:
-            self.block_pool.cache_full_blocks(self.req_to_blocks[request_id], block_hashes, num_cached, num_full,
-                                              self.group_id)
+            self.block_pool.cache_full_blocks(
+                self.req_to_blocks[request_id], block_hashes, num_cached, num_full, self.group_id
+            )
             self.num_cached_blocks[request_id] = num_full
 
     def free(self, request_id: str) -> None:
@@ -97,6 +100,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def __init__(self, spec: SlidingWindowSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0):
         if block_pool.null_block is None:
             raise ValueError("a sliding-window group needs a BlockPool with reserve_null_block=True")
+        self.null_block: KVCacheBlock = block_pool.null_block
         super().__init__(spec, block_pool, enable_caching, group_id)
         self.sliding_window = spec.sliding_window
         # whole blocks a cache hit must end with: the window of the first recomputed token
@@ -107,7 +111,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if not blocks:
             return
         first_needed = max(0, num_computed_tokens - self.sliding_window + 1)
-        null = self.block_pool.null_block
+        null = self.null_block
         removed = []
         for index in range(min(first_needed // self.block_size, len(blocks)) - 1, -1, -1):
             if blocks[index] is null:
@@ -124,7 +128,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         Scans from the right; a run reaching the start of the prompt also counts, however short.
         """
         num_blocks = min(max_length // self.block_size, len(block_hashes))
-        hits = [self.block_pool.null_block] * num_blocks
+        hits = [self.null_block] * num_blocks
         if self.window_blocks == 0:
             return hits  # a window of one token: no earlier key is ever read
         run = 0
@@ -140,8 +144,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return hits[:run]
 
 
-def manager_for_spec(spec: FullAttentionSpec, block_pool: BlockPool, enable_caching: bool,
-                     group_id: int = 0) -> SingleTypeKVCacheManager:
+def manager_for_spec(
+    spec: FullAttentionSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0
+) -> SingleTypeKVCacheManager:
     """The manager class that matches a spec's attention type."""
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, block_pool, enable_caching, group_id)

@@ -1,4 +1,5 @@
 """KV-cache specs per layer, grouping into KV-cache groups, and the block count from a memory budget."""
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,9 @@ class FullAttentionSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block takes in one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
@@ -83,8 +86,11 @@ def group_layers(specs: dict[str, FullAttentionSpec]) -> tuple[KVCacheGroupSpec,
     if len(by_spec) == 1 or len({spec.page_size_bytes for spec in by_spec}) > 1:
         return tuple(KVCacheGroupSpec(tuple(names), spec) for spec, names in by_spec.items())
     size = min(len(names) for names in by_spec.values())
-    return tuple(KVCacheGroupSpec(tuple(names[i:i + size]), spec)
-                 for spec, names in by_spec.items() for i in range(0, len(names), size))
+    return tuple(
+        KVCacheGroupSpec(tuple(names[i : i + size]), spec)
+        for spec, names in by_spec.items()
+        for i in range(0, len(names), size)
+    )
 
 
 def plan_shared_tensors(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[tuple[str, ...], ...]:
@@ -92,13 +98,16 @@ def plan_shared_tensors(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[tuple[str
     if len({group.spec.page_size_bytes for group in groups}) > 1:
         return tuple((name,) for group in groups for name in group.layer_names)
     width = max(len(group.layer_names) for group in groups)
-    return tuple(tuple(group.layer_names[k] for group in groups if k < len(group.layer_names))
-                 for k in range(width))
+    return tuple(tuple(group.layer_names[k] for group in groups if k < len(group.layer_names)) for k in range(width))
 
 
-def make_kv_cache_config(specs: dict[str, FullAttentionSpec], memory_bytes: int,
-                         num_blocks_override: Optional[int], max_model_len: int,
-                         stage_layers: Optional[list[set[str]]] = None) -> KVCacheConfig:
+def make_kv_cache_config(
+    specs: dict[str, FullAttentionSpec],
+    memory_bytes: int,
+    num_blocks_override: Optional[int],
+    max_model_len: int,
+    stage_layers: Optional[list[set[str]]] = None,
+) -> KVCacheConfig:
     """Size the pool: a block id costs one page in every cache tensor. With pipeline parallelism
     (``stage_layers``: the layer names each stage holds), each worker holds only its stage's tensors and
     ``memory_bytes`` is each worker's budget: the stage with the most bytes per block sets the count."""
@@ -106,12 +115,15 @@ def make_kv_cache_config(specs: dict[str, FullAttentionSpec], memory_bytes: int,
     tensors = plan_shared_tensors(groups)
     stages = stage_layers or [set(specs)]
     # a shared tensor lives on every stage holding one of its layers
-    bytes_per_block = max(sum(specs[names[0]].page_size_bytes for names in tensors if layers.intersection(names))
-                          for layers in stages)
+    bytes_per_block = max(
+        sum(specs[names[0]].page_size_bytes for names in tensors if layers.intersection(names)) for layers in stages
+    )
     num_blocks = num_blocks_override or memory_bytes // bytes_per_block
     if num_blocks < 1:
-        raise ConfigError(f"cache.kv_cache_memory={memory_bytes} bytes holds no KV block "
-                         f"(one block costs {bytes_per_block} bytes over a worker's layers)")
+        raise ConfigError(
+            f"cache.kv_cache_memory={memory_bytes} bytes holds no KV block "
+            f"(one block costs {bytes_per_block} bytes over a worker's layers)"
+        )
     block_size = groups[0].spec.block_size
     has_window = any(isinstance(group.spec, SlidingWindowSpec) for group in groups)
     # every group needs its own blocks for a request (a sliding group, too, while it prefills a long chunk)
@@ -121,9 +133,17 @@ def make_kv_cache_config(specs: dict[str, FullAttentionSpec], memory_bytes: int,
             f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one request of the "
             f"context length model.max_model_len={max_model_len} may need ({needed} blocks over "
             f"{len(groups)} KV-cache group(s)); raise cache.kv_cache_memory (or cache.num_gpu_blocks_override) "
-            "or lower model.max_model_len")
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per worker%s; %d group(s) over %d shared tensor(s)); "
-                "one request may use up to %d tokens", num_blocks, block_size, num_blocks * bytes_per_block / 2**20,
-                f", {len(stages)} pipeline stages" if len(stages) > 1 else "", len(groups), len(tensors),
-                max_model_len)
+            "or lower model.max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB per worker%s; %d group(s) over %d shared tensor(s)); "
+        "one request may use up to %d tokens",
+        num_blocks,
+        block_size,
+        num_blocks * bytes_per_block / 2**20,
+        f", {len(stages)} pipeline stages" if len(stages) > 1 else "",
+        len(groups),
+        len(tensors),
+        max_model_len,
+    )
     return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)

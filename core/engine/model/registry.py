@@ -3,6 +3,7 @@
 Families register through the ``register_models`` hook, the built-ins included, by class or by a lazy
 ``"package.module:ClassName"`` path that is imported only when a model of that architecture loads.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,8 +29,12 @@ class ModelRegistry:
         if isinstance(model_cls, str) and ":" not in model_cls:
             raise ValueError(f"model class path '{model_cls}' must look like 'package.module:ClassName'")
         if architecture in self._models and self.sources[architecture] != self._current_source:
-            logger.info("model %s from %s overrides the one from %s", architecture, self._current_source,
-                        self.sources[architecture])
+            logger.info(
+                "model %s from %s overrides the one from %s",
+                architecture,
+                self._current_source,
+                self.sources[architecture],
+            )
         self._models[architecture] = model_cls
         self.sources[architecture] = self._current_source
 

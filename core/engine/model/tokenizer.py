@@ -1,4 +1,5 @@
 """Tokenizer (and chat template) from a Hugging Face folder or a GGUF file, through transformers."""
+
 from __future__ import annotations
 
 import functools

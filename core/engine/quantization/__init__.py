@@ -1,1 +1,2 @@
-"""Quantized weights: packed formats (``formats``) and the built-in quantization methods (``methods``)."""
+"""The built-in quantization methods (``methods``: none, gguf, int8); their packed formats are model code
+(``engine.model.quant_formats``)."""

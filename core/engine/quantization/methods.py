@@ -1,26 +1,32 @@
 """The built-in quantization methods: ``none`` (float weights), ``gguf`` (GGUF blocks kept packed) and ``int8``
 (weight-only int8 with per-channel scales, made at load from any float model)."""
+
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from engine import hookimpl
+from engine.hookspecs import hookimpl
 from engine.interfaces.base import SelectionContext
 from engine.interfaces.quantization import QuantizationMethod
 from engine.model.layers.linear import finish_quantized_weight, linear_layers, set_quantized_weight
-from engine.quantization.formats import GGUF_TYPES, quantize
+from engine.model.quant_formats import GGUF_TYPES, quantize
 
 logger = logging.getLogger(__name__)
 
 
 def _log_quantized(model: torch.nn.Module, method: str) -> None:
-    packed = [m.quant_weight for m in model.modules() if getattr(m, "quant_weight", None) is not None]
+    packed = [w for m in model.modules() if (w := getattr(m, "quant_weight", None)) is not None]
     if packed:
         formats = sorted({w.format for w in packed})
-        logger.info("%s: %d weights kept packed (%s), %.1f MiB", method, len(packed), ", ".join(formats),
-                    sum(w.nbytes for w in packed) / 2**20)
+        logger.info(
+            "%s: %d weights kept packed (%s), %.1f MiB",
+            method,
+            len(packed),
+            ", ".join(formats),
+            sum(w.nbytes for w in packed) / 2**20,
+        )
 
 
 class NoQuantization(QuantizationMethod):

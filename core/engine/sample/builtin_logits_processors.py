@@ -3,6 +3,7 @@
 Each acts, batched, on the rows of the requests whose SamplingParams ask for it. They run in
 priority order (highest first) on the raw logits, before temperature, top-k and top-p.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,7 +68,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
             tail = batch.output_tail(i, longest)
             for word in params.bad_words_token_ids:
                 prefix = word[:-1]
-                if not prefix or tail[len(tail) - len(prefix):] == prefix:
+                if not prefix or tail[len(tail) - len(prefix) :] == prefix:
                     pairs.append((row, word[-1]))
         _ban(logits, pairs)
 
@@ -89,8 +90,11 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
                 row_index.append(row)
                 token_index.append(token)
                 bias.append(value)
-        logits.index_put_((torch.tensor(row_index), torch.tensor(token_index)),
-                          torch.tensor(bias, dtype=logits.dtype), accumulate=True)
+        logits.index_put_(
+            (torch.tensor(row_index), torch.tensor(token_index)),
+            torch.tensor(bias, dtype=logits.dtype),
+            accumulate=True,
+        )
 
 
 class MinTokensLogitsProcessor(LogitsProcessor):
@@ -156,7 +160,9 @@ class MinPLogitsProcessor(LogitsProcessor):
         return params.min_p > 0 and not params.greedy
 
     def apply(self, logits, batch):
-        cut = (batch.column("temperature").double() * batch.column("min_p").double().log()).to(logits.device, logits.dtype)
+        cut = (batch.column("temperature").double() * batch.column("min_p").double().log()).to(
+            logits.device, logits.dtype
+        )
         sub = logits[batch.rows]
         threshold = sub.max(dim=-1, keepdim=True).values + cut.unsqueeze(1)
         logits[batch.rows] = sub.masked_fill(sub < threshold, float("-inf"))
@@ -164,5 +170,11 @@ class MinPLogitsProcessor(LogitsProcessor):
 
 @hookimpl
 def engine_logits_processors():
-    return [AllowedTokenIdsLogitsProcessor, BadWordsLogitsProcessor, LogitBiasLogitsProcessor,
-            MinTokensLogitsProcessor, PenaltiesLogitsProcessor, MinPLogitsProcessor]
+    return [
+        AllowedTokenIdsLogitsProcessor,
+        BadWordsLogitsProcessor,
+        LogitBiasLogitsProcessor,
+        MinTokensLogitsProcessor,
+        PenaltiesLogitsProcessor,
+        MinPLogitsProcessor,
+    ]

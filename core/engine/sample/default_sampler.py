@@ -1,12 +1,13 @@
 """The default sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+
 from __future__ import annotations
 
 import torch
 
 from engine.hookspecs import hookimpl
 from engine.interfaces.sampler import Sampler, SamplerOutput, SamplingMetadata
-from engine.sampling_params import GREEDY_EPS
 from engine.sample.ops import random_sample, sampling_probs
+from engine.sampling_params import GREEDY_EPS
 
 
 class DefaultSampler(Sampler):
@@ -20,7 +21,7 @@ class DefaultSampler(Sampler):
             return SamplerOutput(logits.argmax(dim=-1))
         greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before the logits are rescaled
         sampled = random_sample(sampling_probs(logits, metadata), metadata.uniform())
-        if not metadata.all_random:
+        if greedy is not None:  # some rows are greedy
             sampled = torch.where(metadata.temperature < GREEDY_EPS, greedy, sampled)
         return SamplerOutput(sampled)
 

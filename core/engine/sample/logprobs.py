@@ -1,9 +1,10 @@
 """Logprobs of sampled (or prompt) tokens, their ranks and the top-k, from raw logits."""
+
 from __future__ import annotations
 
 import torch
 
-from engine.runtime.messages import TokenLogprobs
+from engine.messages import TokenLogprobs
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
@@ -14,4 +15,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: li
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], token_ids[:, None][:, :0])
     ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
     values = torch.cat([chosen, top_values], dim=1).tolist()
-    return [TokenLogprobs(ids[i][:1 + n], values[i][:1 + n], int(r)) for i, (n, r) in enumerate(zip(num_top, ranks.tolist()))]
+    return [
+        TokenLogprobs(ids[i][: 1 + n], values[i][: 1 + n], int(r))
+        for i, (n, r) in enumerate(zip(num_top, ranks.tolist()))
+    ]

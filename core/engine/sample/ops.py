@@ -1,14 +1,17 @@
-"""Batched top-k / top-p masking and seeded inverse-CDF sampling."""
+"""Batched top-k / top-p masking and inverse-CDF sampling (the seeded numbers: ``engine.interfaces.sampler``)."""
+
 from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 
+from engine.sampling_params import GREEDY_EPS
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
-                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]
+) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. k=0 and p=1 mean off."""
     if top_k is None and top_p is None:
         return logits
@@ -29,34 +32,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
 def sampling_probs(logits: torch.Tensor, metadata) -> torch.Tensor:
     """[N, V] float32: the distribution each sampled row draws from (temperature, then top-k / top-p).
     Greedy rows get their untempered distribution."""
-    from engine.sampling_params import GREEDY_EPS
-
     temperature = torch.where(metadata.temperature < GREEDY_EPS, 1.0, metadata.temperature)
     logits = apply_top_k_top_p(logits / temperature.unsqueeze(1).to(logits.dtype), metadata.top_k, metadata.top_p)
     return logits.softmax(dim=-1, dtype=torch.float32)
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
-def seeded_uniform(seeds: np.ndarray, counters: np.ndarray, num_draws: int = 1) -> np.ndarray:
-    """[N, num_draws] float64 in [0, 1), a pure function of (seed, counter, draw): counter-based, so a seeded
-    request's numbers depend on nothing else in the batch and need no generator state to survive preemption."""
-    with np.errstate(over="ignore"):
-        key = _splitmix64(np.asarray(seeds, dtype=np.int64).view(np.uint64))
-        stream = _splitmix64(key ^ np.asarray(counters, dtype=np.uint64))
-        bits = _splitmix64(stream[:, None] + np.arange(num_draws, dtype=np.uint64) * _GOLDEN)
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def random_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """What the scheduler sends to the workers each step, and what comes back."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import msgspec
 
-from engine.runtime.messages import TokenLogprobs
+from engine.messages import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 

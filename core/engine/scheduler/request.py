@@ -1,4 +1,5 @@
 """Request: the engine core's record of one generation."""
+
 from __future__ import annotations
 
 import enum
@@ -24,16 +25,27 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
 
 
 class Request:
     """Tokens known so far, how many have KV in the cache, and the prefix hashes of full blocks."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: Optional[int], block_size: int, cache_salt: Optional[str] = None,
-                 arrival_time: Optional[float] = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: Optional[int],
+        block_size: int,
+        cache_salt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+    ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

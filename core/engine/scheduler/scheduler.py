@@ -1,29 +1,53 @@
 """The V1 scheduler: no prefill/decode phases, only 'how many tokens of each request this step'."""
+
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from typing import Iterable, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import msgspec
 
 from engine.config import VllmConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.spec import KVCacheConfig
-from engine.runtime.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats
+from engine.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from engine.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.spec_decode.dynamic import SpeculationPolicy
 
+if TYPE_CHECKING:
+    from engine.interfaces.structured_output import StructuredOutputGrammar
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    target: Optional[str] = None  # while requests are isolated: the one request this step may run
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
     """Continuous batching within a token budget; preemption by recompute when blocks run out."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, coordinator_cls: type,
-                 max_model_len: int, structured_output_manager=None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        coordinator_cls: type,
+        max_model_len: int,
+        structured_output_manager=None,
+    ):
         sched = vllm_config.scheduler
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_num_seqs = sched.max_num_seqs
@@ -34,8 +58,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.dp_rank = vllm_config.parallel.data_parallel_rank
         self.block_size = kv_cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(kv_cache_config, coordinator_cls, max_model_len,
-                                               vllm_config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config, coordinator_cls, max_model_len, vllm_config.cache.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -55,7 +80,8 @@ class Scheduler:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than the "
                 f"context length ({max_model_len}) with scheduler.enable_chunked_prefill=false: long prompts "
-                "could never be scheduled; raise the budget, lower model.max_model_len or enable chunked prefill")
+                "could never be scheduled; raise the budget, lower model.max_model_len or enable chunked prefill"
+            )
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,7 +112,9 @@ class Scheduler:
         """Finish requests whose processing raised; their blocks return to the pool."""
         request_ids = [rid for rid in request_ids if rid in self.requests]
         self.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(rid, [], RequestStatus.FINISHED_ERROR.finish_reason, error=error) for rid in request_ids]
+        return [
+            EngineCoreOutput(rid, [], RequestStatus.FINISHED_ERROR.finish_reason, error=error) for rid in request_ids
+        ]
 
     def isolate(self, request_ids: Iterable[str]) -> None:
         """Roll back the requests of a failed step (preempt: their KV is recomputed) and schedule them one at
@@ -122,116 +150,136 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted: list[Request] = []
-        spec_tokens: dict[str, list[int]] = {}
-        target = self._isolated_target()
-        use_drafts = self.use_spec_decode and self._drafts_pay()
+        """Plan one step in three stages: the running requests first (decode tokens, drafts, prefill chunks,
+        preempting the latest admitted when blocks run out), then waiting ones while the budget lasts (none
+        after a preemption), then the plan is finished into the ``SchedulerOutput`` the workers run."""
+        plan = StepPlan(self.max_num_batched_tokens, target=self._isolated_target())
+        self._schedule_running(plan, use_drafts=self.use_spec_decode and self._drafts_pay())
+        if not plan.preempted:  # a step that had to preempt admits nobody new
+            self._schedule_waiting(plan)
+        return self._finish_plan(plan)
 
+    def _schedule_running(self, plan: StepPlan, use_drafts: bool) -> None:
+        """Give each running request (the isolated one alone, while requests are isolated) its next tokens."""
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            if target is not None and request.request_id != target:
-                req_index += 1
+            req_index += 1
+            if plan.target is not None and request.request_id != plan.target:
                 continue
-            constrained = request.structured_output_request is not None
-            if constrained and request.num_steps_in_flight:
-                req_index += 1  # its matcher has not seen the token in flight: the next bitmask must wait for it
-                continue
+            if request.structured_output_request is not None and request.num_steps_in_flight:
+                continue  # its matcher has not seen the token in flight: the next bitmask must wait for it
             num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            drafts = request.spec_token_ids if use_drafts else []
-            # a draft's slot is a position past the known tokens; after all are accepted one more token follows
-            drafts = drafts[:max(0, self.max_model_len - request.num_tokens - 1)]
-            if drafts and request.sampling_params.max_tokens is not None:
-                drafts = drafts[:max(0, request.sampling_params.max_tokens - request.num_output_tokens - 1)]
-            if drafts and constrained:  # a draft its grammar refuses, and those after it, could never be kept
-                drafts = request.structured_output_request.grammar.validate_tokens(drafts)
-            num_new = min(num_known + len(drafts), token_budget, self.max_model_len - request.num_computed_tokens)
-            if self._reached_max_tokens(request):
-                num_new = 0  # in-flight steps already produce its last token
-            if num_new <= 0:
-                req_index += 1
-                continue
-            drafts = drafts[:max(0, num_new - num_known)]
+            drafts = self._drafts_to_verify(request) if use_drafts else []
+            num_new = min(num_known + len(drafts), plan.token_budget, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0 or self._reached_max_tokens(request):
+                continue  # nothing to compute, or in-flight steps already produce its last token
+            drafts = drafts[: max(0, num_new - num_known)]
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # the latest admitted goes first
                 self._preempt(victim)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is request:
-                    break
+                    return
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
-            if new_blocks is None:
-                break
-            num_scheduled[request.request_id] = num_new
+            plan.num_scheduled[request.request_id] = num_new
             if drafts:
-                spec_tokens[request.request_id] = drafts
-            token_budget -= num_new
+                plan.spec_tokens[request.request_id] = drafts
+            plan.token_budget -= num_new
             start = request.num_computed_tokens
-            cached_reqs.append(CachedRequestData(
-                request.request_id, new_blocks.get_block_ids(), start,
-                request.all_token_ids[start:start + num_new] if self.send_token_ids else []))
-            req_index += 1
+            plan.cached_reqs.append(
+                CachedRequestData(
+                    request.request_id,
+                    new_blocks.get_block_ids(),
+                    start,
+                    request.all_token_ids[start : start + num_new] if self.send_token_ids else [],
+                )
+            )
 
-        skipped: list[Request] = []  # waiting for their grammar's compile: the requests behind them go first
-        if not preempted:  # a step that had to preempt admits nobody new
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                if target is not None and (request.request_id != target or num_scheduled):
-                    break
-                if request.num_steps_in_flight:
-                    break  # preempted while a step of it runs: readmitted once that step's token is known
-                constraint = request.structured_output_request
-                if constraint is not None and not constraint.is_ready():
-                    skipped.append(self.waiting.popleft())
-                    continue
-                if constraint is not None and constraint.error is not None:
-                    self.waiting.popleft()
-                    request.status = RequestStatus.FINISHED_ERROR
-                    self._free_request(request)
-                    self.error_outputs.append(EngineCoreOutput(request.request_id, [], "error",
-                                                               error=constraint.error))
-                    continue
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit
-                if not self.enable_chunked_prefill and num_new > token_budget:
-                    break
-                num_new = min(num_new, token_budget)
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit)
-                if new_blocks is None:
-                    break
+    def _drafts_to_verify(self, request: Request) -> list[int]:
+        """The request's drafts this step can verify: each needs a position within the context and within
+        max_tokens (after all are accepted one more token follows), and its grammar must allow it."""
+        drafts = request.spec_token_ids[: max(0, self.max_model_len - request.num_tokens - 1)]
+        max_tokens = request.sampling_params.max_tokens
+        if drafts and max_tokens is not None:
+            drafts = drafts[: max(0, max_tokens - request.num_output_tokens - 1)]
+        constraint = request.structured_output_request
+        if drafts and constraint is not None and constraint.grammar is not None:
+            drafts = constraint.grammar.validate_tokens(drafts)  # a refused draft, and those after it, never count
+        return drafts
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in order while the budget, the batch size and the blocks allow; requests whose
+        grammar still compiles are stepped over (the requests behind them go first) and keep their place."""
+        skipped: list[Request] = []
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if plan.target is not None and (request.request_id != plan.target or plan.num_scheduled):
+                break
+            if request.num_steps_in_flight:
+                break  # preempted while a step of it runs: readmitted once that step's token is known
+            constraint = request.structured_output_request
+            if constraint is not None and not constraint.is_ready():
+                skipped.append(self.waiting.popleft())
+                continue
+            if constraint is not None and constraint.error is not None:
                 self.waiting.popleft()
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
-                num_scheduled[request.request_id] = num_new
-                token_budget -= num_new
-                new_reqs.append(NewRequestData(
-                    req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                self.error_outputs.append(EngineCoreOutput(request.request_id, [], "error", error=constraint.error))
+                continue
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.enable_chunked_prefill and num_new > plan.token_budget:
+                break
+            num_new = min(num_new, plan.token_budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            plan.num_scheduled[request.request_id] = num_new
+            plan.token_budget -= num_new
+            plan.new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit, eos_token_id=request.eos_token_id))
+                    num_computed_tokens=num_hit,
+                    eos_token_id=request.eos_token_id,
+                )
+            )
         self.waiting.extendleft(reversed(skipped))
 
+    def _finish_plan(self, plan: StepPlan) -> SchedulerOutput:
+        """The step's SchedulerOutput; the scheduled requests advance (their tokens count as computed, a step of
+        each is in flight) and constrained ones get their bitmask rows."""
         output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=sorted(self.finished_req_ids | {r.request_id for r in preempted}),
-            scheduled_spec_decode_tokens=spec_tokens)
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
+            finished_req_ids=sorted(self.finished_req_ids | {r.request_id for r in plan.preempted}),
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+        )
         self.finished_req_ids = set()
         if self.use_spec_decode:
             for request in self.running:  # drafts are for the step right after the one that proposed them
                 request.spec_token_ids = []
-        for req_id, num in num_scheduled.items():
+        for req_id, num in plan.num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num
             request.num_steps_in_flight += 1
-            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
+            ):
                 request.num_output_placeholders += 1  # this step samples a token we will only see later
         if self.structured_output_manager is not None:
             self._add_grammar_bitmask(output)
@@ -243,7 +291,7 @@ class Scheduler:
         """The allowed-token bitmask of every constrained request that samples in this step: its first row, then
         one more per speculative draft (the runner masks the logits row of draft position i with row first + i)."""
         first_rows: dict[str, int] = {}
-        rows = []
+        rows: list[tuple[Any, list[int]]] = []  # (grammar, drafts) of each constrained request that samples
         num_rows = 0
         for req_id in output.num_scheduled_tokens:
             request = self.requests[req_id]
@@ -260,8 +308,11 @@ class Scheduler:
 
     def num_waiting_for_grammar(self) -> int:
         """Waiting requests whose constraint is still compiling."""
-        return sum(1 for request in self.waiting if request.structured_output_request is not None
-                   and not request.structured_output_request.is_ready())
+        return sum(
+            1
+            for request in self.waiting
+            if request.structured_output_request is not None and not request.structured_output_request.is_ready()
+        )
 
     def _drafts_pay(self) -> bool:
         """Dynamic speculation: whether this step should verify the running requests' drafts."""
@@ -269,8 +320,11 @@ class Scheduler:
         if not num_drafts:
             return True
         num_sampling = sum(1 for request in self.running if request.num_computed_tokens >= request.num_tokens - 1)
-        num_tokens = sum(min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
-                         for request in self.running)
+        num_tokens = sum(
+            min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
+            for request in self.running
+        )
+        assert self.spec_policy is not None and self.spec_stats is not None  # called with speculation on only
         if self.spec_policy.should_speculate(num_sampling, num_tokens, num_drafts):
             return True
         self.spec_stats.num_steps_skipped += 1
@@ -280,7 +334,8 @@ class Scheduler:
         produced = request.num_output_tokens + request.num_output_placeholders
         max_tokens = request.sampling_params.max_tokens
         return (max_tokens is not None and produced >= max_tokens) or (
-            request.num_tokens + request.num_output_placeholders >= self.max_model_len)
+            request.num_tokens + request.num_output_placeholders >= self.max_model_len
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -293,14 +348,17 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.debug("preempted %s (recompute later)", request.request_id)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free what finished."""
-        if self._step_started is not None:
+        if self._step_started is not None and self.spec_policy is not None:  # timed with speculation on only
             num_sampled = sum(1 for tokens in runner_output.sampled_token_ids if tokens) + sum(
-                len(drafts) for drafts in scheduler_output.scheduled_spec_decode_tokens.values())
-            self.spec_policy.observe_step(scheduler_output.total_num_scheduled_tokens, num_sampled,
-                                          time.perf_counter() - self._step_started)
+                len(drafts) for drafts in scheduler_output.scheduled_spec_decode_tokens.values()
+            )
+            self.spec_policy.observe_step(
+                scheduler_output.total_num_scheduled_tokens, num_sampled, time.perf_counter() - self._step_started
+            )
             self._step_started = None
         self.step_done(scheduler_output)
         outputs = []
@@ -314,7 +372,7 @@ class Scheduler:
             if token_ids and self.isolated:
                 self.isolated.pop(req_id, None)  # it ran through the sampler alone: not the culprit
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts and token_ids:
+            if drafts and token_ids and self.spec_stats is not None and self.spec_policy is not None:
                 num_accepted = len(token_ids) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted  # rejected drafts' KV is recomputed
                 self.spec_stats.observe(len(drafts), num_accepted)
@@ -326,7 +384,7 @@ class Scheduler:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if constraint is not None and constraint.grammar is not None:
-                    error = self._advance_grammar(request, token_id)
+                    error = self._advance_grammar(request, constraint.grammar, token_id)
                     if request.is_finished():
                         break
                 if self._check_stop(request):
@@ -338,22 +396,31 @@ class Scheduler:
             elif request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             logprobs = runner_output.logprobs.get(req_id)
-            outputs.append(EngineCoreOutput(req_id, new_token_ids, request.status.finish_reason,
-                                            request.stop_reason, max(request.num_cached_tokens, 0),
-                                            logprobs[:len(new_token_ids)] if logprobs else None, prompt_logprobs,
-                                            error=error))
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    new_token_ids,
+                    request.status.finish_reason,
+                    request.stop_reason,
+                    max(request.num_cached_tokens, 0),
+                    logprobs[: len(new_token_ids)] if logprobs else None,
+                    prompt_logprobs,
+                    error=error,
+                )
+            )
         return outputs
 
     @staticmethod
-    def _advance_grammar(request: Request, token_id: int) -> Optional[str]:
+    def _advance_grammar(request: Request, grammar: StructuredOutputGrammar, token_id: int) -> Optional[str]:
         """Feed a sampled token to the request's matcher: a grammar that has ended stops the request; a token the
         grammar refuses (a logits processor forced it past the bitmask) ends it with an error."""
-        grammar = request.structured_output_request.grammar
         if not grammar.accept_tokens([token_id]):
             request.status = RequestStatus.FINISHED_ERROR
             logger.error("request %s sampled token %d, which its grammar does not allow", request.request_id, token_id)
-            return (f"the sampled token {token_id} breaks the request's structured-output constraint (another "
-                    "setting, such as min_tokens or logit_bias, forced a token the grammar does not allow)")
+            return (
+                f"the sampled token {token_id} breaks the request's structured-output constraint (another "
+                "setting, such as min_tokens or logit_bias, forced a token the grammar does not allow)"
+            )
         if grammar.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED
         return None
@@ -368,7 +435,8 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         if request.num_tokens >= self.max_model_len or (
-                params.max_tokens is not None and request.num_output_tokens >= params.max_tokens):
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         if request.num_output_tokens < params.min_tokens:
@@ -386,8 +454,20 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         manager = self.kv_cache_manager
         stats = manager.prefix_cache_stats
-        return SchedulerStats(len(self.running), len(self.waiting), manager.usage, manager.num_free_blocks,
-                              manager.num_total_blocks, stats.queries, stats.hits, self.num_preemptions,
-                              msgspec.structs.replace(self.spec_stats, num_accepted_tokens_per_pos=list(
-                                  self.spec_stats.num_accepted_tokens_per_pos)) if self.spec_stats else None,
-                              self.num_requests_received, self.dp_rank)
+        return SchedulerStats(
+            len(self.running),
+            len(self.waiting),
+            manager.usage,
+            manager.num_free_blocks,
+            manager.num_total_blocks,
+            stats.queries,
+            stats.hits,
+            self.num_preemptions,
+            msgspec.structs.replace(
+                self.spec_stats, num_accepted_tokens_per_pos=list(self.spec_stats.num_accepted_tokens_per_pos)
+            )
+            if self.spec_stats
+            else None,
+            self.num_requests_received,
+            self.dp_rank,
+        )

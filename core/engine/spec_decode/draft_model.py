@@ -1,5 +1,6 @@
 """The ``draft_model`` proposer: a smaller model with the target's vocabulary, run by the same worker with a
 paged KV cache of its own, drafts ``num_speculative_tokens`` tokens per request autoregressively (greedy)."""
+
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,8 @@ from engine.hookspecs import hookimpl
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.model.layers.attention import Attention
+from engine.model.loader import load_model
+from engine.model.model_info import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,10 @@ class DraftModelProposer(Proposer):
         spec = ctx.config.speculative
         reasons = []
         if not spec.draft_model:
-            reasons.append("speculative.draft_model names no model (a Hugging Face folder or .gguf file with the "
-                           "target's vocabulary)")
+            reasons.append(
+                "speculative.draft_model names no model (a Hugging Face folder or .gguf file with the "
+                "target's vocabulary)"
+            )
         if ctx.config.parallel.tensor_parallel_size > 1:
             reasons.append("the draft model runs unsharded on rank 0: parallel.tensor_parallel_size must be 1")
         return reasons
@@ -54,33 +59,41 @@ class DraftModelProposer(Proposer):
         self.model = None
 
     def load(self, model_runner) -> None:
-        from engine.model.loader import load_model
-        from engine.model.model_info import resolve_model
-
         spec = self.vllm_config.speculative
         target = model_runner.model_info
-        info = resolve_model(ModelConfig(model=spec.draft_model, dtype=str(target.dtype).removeprefix("torch."),
-                                         max_model_len=target.max_model_len))
+        info = resolve_model(
+            ModelConfig(
+                model=spec.draft_model,
+                dtype=str(target.dtype).removeprefix("torch."),
+                max_model_len=target.max_model_len,
+            )
+        )
         if info.vocab_size != target.vocab_size:
-            raise ConfigError(f"speculative.draft_model: {spec.draft_model} has a vocabulary of {info.vocab_size} "
-                              f"tokens, the target model {target.vocab_size}; a draft model must share the "
-                              "target's tokenizer")
+            raise ConfigError(
+                f"speculative.draft_model: {spec.draft_model} has a vocabulary of {info.vocab_size} "
+                f"tokens, the target model {target.vocab_size}; a draft model must share the "
+                "target's tokenizer"
+            )
         self.device = model_runner.device
         self.model = load_model(info, self.device, layer_kernels=model_runner.layer_kernels)
         self.block_size = model_runner.block_size
         backend = model_runner.attention_backend
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if any(layer.sliding_window for layer in layers):
-            raise ConfigError(f"speculative.draft_model: {spec.draft_model} has sliding-window layers; the draft "
-                              "model's cache is one full-attention group")
+            raise ConfigError(
+                f"speculative.draft_model: {spec.draft_model} has sliding-window layers; the draft "
+                "model's cache is one full-attention group"
+            )
         first = layers[0]
         block_bytes = 2 * self.block_size * first.num_kv_heads * first.head_size * info.dtype.itemsize * len(layers)
         num_blocks = spec.draft_kv_cache_memory // block_bytes
         needed = -(-target.max_model_len // self.block_size)
         if num_blocks < needed:
-            raise ConfigError(f"speculative.draft_kv_cache_memory={spec.draft_kv_cache_memory} holds {num_blocks} "
-                              f"blocks; the draft model needs at least {needed} for one request of "
-                              f"{target.max_model_len} tokens")
+            raise ConfigError(
+                f"speculative.draft_kv_cache_memory={spec.draft_kv_cache_memory} holds {num_blocks} "
+                f"blocks; the draft model needs at least {needed} for one request of "
+                f"{target.max_model_len} tokens"
+            )
         shape = backend.get_kv_cache_shape(num_blocks, self.block_size, first.num_kv_heads, first.head_size)
         for layer in layers:
             layer.bind(backend, self.vllm_config.attention.options)
@@ -102,7 +115,7 @@ class DraftModelProposer(Proposer):
         for i in rows:
             state = self.states[batch.req_ids[i]]
             tokens = batch.token_ids(i)
-            inputs.append((state.num_computed, tokens[state.num_computed:]))
+            inputs.append((state.num_computed, tokens[state.num_computed :]))
             state.num_computed = len(tokens)
         next_tokens = self._forward(rows, batch, inputs)
         remaining = {i: int(batch.max_num_drafts[i]) for i in rows}
@@ -137,16 +150,24 @@ class DraftModelProposer(Proposer):
         tables = [self.states[batch.req_ids[i]].block_ids for i in rows]
         table = np.zeros((len(rows), max(len(t) for t in tables)), dtype=np.int32)
         for r, ids in enumerate(tables):
-            table[r, :len(ids)] = ids
+            table[r, : len(ids)] = ids
         token_rows = np.repeat(np.arange(len(rows)), query_lens)
-        slots = table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size \
+        slots = (
+            table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
+        )
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            num_computed_tokens=torch.from_numpy(computed.astype(np.int32)), block_table=torch.from_numpy(table),
-            slot_mapping=torch.from_numpy(slots), max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_np=query_start_loc, seq_lens_np=seq_lens, num_computed_tokens_np=computed)
+            num_computed_tokens=torch.from_numpy(computed.astype(np.int32)),
+            block_table=torch.from_numpy(table),
+            slot_mapping=torch.from_numpy(slots),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_np=query_start_loc,
+            seq_lens_np=seq_lens,
+            num_computed_tokens_np=computed,
+        )
         input_ids = torch.from_numpy(np.concatenate([tokens for _, tokens in inputs]).astype(np.int64)).to(self.device)
         with set_forward_context([self.builder.build(common)]):
             hidden_states = self.model(input_ids, torch.from_numpy(positions).to(self.device))

@@ -9,6 +9,7 @@ first by ``margin`` (uncertainty costs speculation, not plain decoding). That ho
 weights' memory traffic (``a``) dominates, and fails for large batches on a compute-bound CPU, or when few
 drafts are accepted.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -68,7 +69,8 @@ class SpeculationPolicy:
         a, b, c = cost
         rate_without = num_sampling_requests / (a + b * num_tokens + c * num_sampling_requests)
         rate_with = (num_sampling_requests + self.acceptance_rate * num_draft_tokens) / (
-            a + b * (num_tokens + num_draft_tokens) + c * (num_sampling_requests + num_draft_tokens))
+            a + b * (num_tokens + num_draft_tokens) + c * (num_sampling_requests + num_draft_tokens)
+        )
         if rate_with > rate_without * (1 + self.margin) or self.steps_without >= _EXPLORE_EVERY:
             self.steps_without = 0
             return True

@@ -1,5 +1,6 @@
 """The ``ngram`` proposer (prompt lookup): continue the request as it continued after an earlier occurrence
 of its last n tokens."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,15 +16,15 @@ def find_ngram_continuation(tokens: np.ndarray, min_n: int, max_n: int, num_draf
     if num_drafts <= 0 or total <= min_n:
         return []
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = tokens[total - n:]
+        suffix = tokens[total - n :]
         # windows[i] = tokens[i:i+n] for i < total - n (the suffix itself excluded)
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
         candidates = np.nonzero(windows[:, 0] == suffix[0])[0]
         if len(candidates):
             candidates = candidates[(windows[candidates] == suffix).all(axis=1)]
         if len(candidates):
             start = int(candidates[-1]) + n  # the latest occurrence: the nearest context repeats best
-            return tokens[start:start + num_drafts].tolist()
+            return tokens[start : start + num_drafts].tolist()
     return []
 
 
@@ -38,8 +39,10 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = vllm_config.speculative.lookup_range()
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        return [find_ngram_continuation(batch.token_ids(i), self.min_n, self.max_n, int(batch.max_num_drafts[i]))
-                for i in range(len(batch))]
+        return [
+            find_ngram_continuation(batch.token_ids(i), self.min_n, self.max_n, int(batch.max_num_drafts[i]))
+            for i in range(len(batch))
+        ]
 
 
 @hookimpl

@@ -1,6 +1,7 @@
 """The ``suffix`` proposer (suffix decoding, as Snowflake's Arctic Inference does it): match the request's
 latest tokens in suffix trees of its own prompt and output and of recent requests' outputs, and draft the
 most frequent continuation, as long as the match and the continuation's frequency justify."""
+
 from __future__ import annotations
 
 import math
@@ -44,15 +45,19 @@ class SuffixProposer(Proposer):
         self.cached_outputs: OrderedDict[str, list[int]] = OrderedDict()
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        return [self._propose_one(batch.req_ids[i], batch.token_ids(i), int(batch.num_prompt_tokens[i]),
-                                  int(batch.max_num_drafts[i])) for i in range(len(batch))]
+        return [
+            self._propose_one(
+                batch.req_ids[i], batch.token_ids(i), int(batch.num_prompt_tokens[i]), int(batch.max_num_drafts[i])
+            )
+            for i in range(len(batch))
+        ]
 
     def _propose_one(self, req_id: str, tokens, num_prompt_tokens: int, max_num_drafts: int) -> list[int]:
         index = self.requests.get(req_id)
         if index is None:
             index = self.requests[req_id] = _RequestIndex(self.max_depth)
             index.num_prompt_tokens = num_prompt_tokens
-        new_tokens = tokens[len(index.tokens):].tolist()
+        new_tokens = tokens[len(index.tokens) :].tolist()
         for token in new_tokens:
             index.active = index.trie.extend(index.active, token)
         index.tokens.extend(new_tokens)
@@ -65,8 +70,11 @@ class SuffixProposer(Proposer):
             for node in reversed(nodes):  # deepest first
                 if node.depth == 0 or node.depth > longest_match or node.best is None:
                     continue
-                limit = min(max_num_drafts, self.num_speculative_tokens,
-                            math.floor(self.spec_factor * node.depth + self.spec_offset))
+                limit = min(
+                    max_num_drafts,
+                    self.num_speculative_tokens,
+                    math.floor(self.spec_factor * node.depth + self.spec_offset),
+                )
                 drafts, score = draft_from(node, limit, self.min_token_prob)
                 if score > best_score:
                     best, best_score = drafts, score
@@ -93,7 +101,7 @@ class SuffixProposer(Proposer):
             index = self.requests.pop(req_id, None)
             if index is None or not self.max_cached_requests:
                 continue
-            output = index.tokens[index.num_prompt_tokens:]
+            output = index.tokens[index.num_prompt_tokens :]
             if len(output) < 2:
                 continue
             previous = self.cached_outputs.pop(req_id, None)  # preempted before: its longer output replaces it

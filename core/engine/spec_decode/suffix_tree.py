@@ -4,6 +4,7 @@ Every substring of the indexed token sequences up to ``max_depth`` tokens long i
 a node counts how often its substring occurred and knows its most frequent continuation, so drafting
 from a matched suffix follows the likeliest next tokens in O(1) per token.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,10 +17,10 @@ class SuffixNode:
         self.count = 0  # occurrences of this node's substring
         self.child_total = 0  # occurrences followed by another token (sum of the children's counts)
         self.best: Optional[int] = None  # the child token with the highest count
-        self.children: Optional[dict[int, "SuffixNode"]] = None
+        self.children: Optional[dict[int, SuffixNode]] = None
         self.depth = depth
 
-    def child(self, token: int) -> Optional["SuffixNode"]:
+    def child(self, token: int) -> Optional[SuffixNode]:
         return self.children.get(token) if self.children else None
 
 
@@ -36,24 +37,26 @@ class SuffixTrie:
         than max_depth, the root first); returns the open suffixes after it."""
         extended = [self.root]
         for node in active:
-            child = node.child(token)
+            children = node.children
+            if children is None:
+                if delta < 0:
+                    continue
+                children = node.children = {}
+            child = children.get(token)
             if child is None:
                 if delta < 0:
                     continue
-                child = SuffixNode(node.depth + 1)
-                if node.children is None:
-                    node.children = {}
-                node.children[token] = child
+                child = children[token] = SuffixNode(node.depth + 1)
             child.count += delta
             node.child_total += delta
             if delta > 0:
-                if node.best is None or (node.best != token and child.count > node.children[node.best].count):
+                if node.best is None or (node.best != token and child.count > children[node.best].count):
                     node.best = token
             else:
                 if child.count <= 0:
-                    del node.children[token]
+                    del children[token]
                 if node.best == token:
-                    node.best = max(node.children, key=lambda t: node.children[t].count) if node.children else None
+                    node.best = max(children, key=lambda t: children[t].count) if children else None
             if child.depth < self.max_depth and child.count > 0:
                 extended.append(child)
         return extended
@@ -71,14 +74,13 @@ class SuffixTrie:
         found = [self.root]
         total = len(tokens)
         for length in range(1, min(max_length, total) + 1):
-            node = self.root
-            for token in tokens[total - length:]:
-                node = node.child(int(token))
+            node: Optional[SuffixNode] = self.root
+            for token in tokens[total - length :]:
+                node = node.child(int(token)) if node is not None else None
                 if node is None:
                     break
-            if node is None:
-                continue
-            found.append(node)
+            if node is not None:
+                found.append(node)
         return found
 
 
@@ -89,6 +91,7 @@ def draft_from(node: SuffixNode, max_tokens: int, min_token_prob: float) -> tupl
     tokens: list[int] = []
     probability, score = 1.0, 0.0
     while len(tokens) < max_tokens and node.best is not None and node.child_total > 0:
+        assert node.children is not None  # a node with a best continuation has children
         child = node.children[node.best]
         probability *= child.count / node.child_total
         if probability < min_token_prob:

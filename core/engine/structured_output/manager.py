@@ -5,6 +5,7 @@ once on a worker thread (the busy loop never waits for a compile: a request whos
 in the waiting queue while the others run), gives each request its matcher, and packs the allowed-token
 bitmask of a step's constrained rows.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from engine.interfaces.structured_output import StructuredOutputGrammar, bitmask_words
+from engine.interfaces.base import SelectionContext
+from engine.interfaces.structured_output import StructuredOutputBackend, StructuredOutputGrammar, bitmask_words
+from engine.model.tokenizer import get_tokenizer
+from engine.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
     from engine.config import VllmConfig
@@ -31,7 +35,7 @@ MAX_CACHED_GRAMMARS = 1024
 class StructuredOutputRequest:
     """A request's constraint: its compile (shared with every request of the same constraint) and its matcher."""
 
-    def __init__(self, params: "StructuredOutputsParams", compiled: Future, manager: "StructuredOutputManager"):
+    def __init__(self, params: StructuredOutputsParams, compiled: Future, manager: StructuredOutputManager):
         self.params = params
         self.compiled = compiled
         self.manager = manager
@@ -48,6 +52,7 @@ class StructuredOutputRequest:
         if exc is not None:
             self.error = f"structured output ({self.params.kind}) failed to compile: {type(exc).__name__}: {exc}"
         else:
+            assert self.manager.backend is not None  # it compiled the grammar
             self.grammar = self.manager.backend.new_matcher(self.compiled.result())
         return True
 
@@ -55,31 +60,28 @@ class StructuredOutputRequest:
 class StructuredOutputManager:
     """Backend, compile thread, compiled-grammar cache and bitmask packing for one engine core."""
 
-    def __init__(self, vllm_config: "VllmConfig", model_info: "ModelInfo"):
+    def __init__(self, vllm_config: VllmConfig, model_info: ModelInfo):
         self.vllm_config = vllm_config
         self.model_info = model_info
         self.vocab_size = model_info.vocab_size
-        self.backend = None
+        self.backend: Optional[StructuredOutputBackend] = None  # chosen and built on the first constrained request
         self._compiler: Optional[ThreadPoolExecutor] = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds: list[float] = []  # each finished compile's time (benchmarks report it)
 
     def _init_backend(self) -> None:
-        from engine.interfaces.base import SelectionContext
-        from engine.model.tokenizer import get_tokenizer
-        from engine.plugins import get_plugin_manager
-
         requested = self.vllm_config.structured_outputs.backend
-        impl = get_plugin_manager().select("structured_output", requested,
-                                           SelectionContext(self.vllm_config, self.model_info))
+        impl = get_plugin_manager().select(
+            "structured_output", requested, SelectionContext(self.vllm_config, self.model_info)
+        )
         tokenizer = get_tokenizer(self.model_info)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.model_info.eos_token_id
         self.backend = impl.create(self.vllm_config, tokenizer, self.vocab_size, eos)
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         logger.info("structured outputs: backend %s from %s", impl.name, impl.source)
 
-    def request(self, params: "StructuredOutputsParams") -> StructuredOutputRequest:
+    def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A request's constraint, its compile started (or found in the cache). Raises ConfigError when no
         backend can run here."""
         if self.backend is None:
@@ -90,14 +92,16 @@ class StructuredOutputManager:
             if future is not None and not (future.done() and future.exception() is not None):
                 self._cache.move_to_end(key)
             else:
+                assert self._compiler is not None  # made with the backend, above
                 future = self._compiler.submit(self._compile, params)
                 self._cache[key] = future
                 while len(self._cache) > MAX_CACHED_GRAMMARS:
                     self._cache.popitem(last=False)
         return StructuredOutputRequest(params, future, self)
 
-    def _compile(self, params: "StructuredOutputsParams") -> Any:
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         start = time.perf_counter()
+        assert self.backend is not None  # compiles are submitted once it exists
         compiled = self.backend.compile_grammar(params)
         self.compile_seconds.append(time.perf_counter() - start)
         return compiled
@@ -107,8 +111,9 @@ class StructuredOutputManager:
         entry takes 1 + len(drafts) consecutive rows: the tokens its grammar allows next, then after each of its
         speculative drafts (the drafts are ones the grammar allows: see ``validate_tokens``). The matcher
         accepts the drafts to fill those rows and is rolled back after, so it ends where it started."""
-        bitmask = np.full((sum(1 + len(drafts) for _, drafts in rows), bitmask_words(self.vocab_size)), -1,
-                          dtype=np.int32)
+        bitmask = np.full(
+            (sum(1 + len(drafts) for _, drafts in rows), bitmask_words(self.vocab_size)), -1, dtype=np.int32
+        )
         row = 0
         for grammar, drafts in rows:
             grammar.fill_bitmask(bitmask, row)

@@ -1,5 +1,6 @@
 """Kernel-level attention checks: a backend against a float64 reference on random paged batches (mixed
 prefill / decode, chunks after cached prefixes, GQA / MQA, sliding window, soft-capping, block sizes)."""
+
 from __future__ import annotations
 
 import math
@@ -8,12 +9,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from engine.interfaces.attention import CommonAttentionMetadata
+from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
 
 VARIANTS = {"plain": (None, None), "window": (24, None), "softcap": (None, 30.0)}  # (sliding window, soft cap)
 
 
-def unsupported(backend: type, block_size: int, variant: str) -> Optional[str]:
+def unsupported(backend: type[AttentionBackend], block_size: int, variant: str) -> Optional[str]:
     """Why ``backend`` declares it cannot run this case (None: it must pass it)."""
     sliding_window, soft_cap = VARIANTS[variant]
     if (sliding_window and not backend.supports_sliding_window) or (soft_cap and not backend.supports_logits_soft_cap):
@@ -49,19 +50,36 @@ def make_case(seed: int, block_size: int, num_heads: int, num_kv_heads: int, hea
     max_blocks = max(len(t) for t in tables)
     block_table = np.zeros((len(shapes), max_blocks), dtype=np.int32)
     for row, table in enumerate(tables):
-        block_table[row, :len(table)] = table
+        block_table[row, : len(table)] = table
     positions = np.concatenate([np.arange(c, c + q) for c, q in shapes])
     rows = np.repeat(np.arange(len(shapes)), query_lens)
     slots = block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = context_lens + query_lens
     common = CommonAttentionMetadata(
-        torch.from_numpy(qsl.astype(np.int32)), torch.from_numpy(seq_lens.astype(np.int32)),
-        torch.from_numpy(context_lens.astype(np.int32)), torch.from_numpy(block_table), torch.from_numpy(slots),
-        int(query_lens.max()), int(seq_lens.max()), qsl, seq_lens, context_lens)
+        torch.from_numpy(qsl.astype(np.int32)),
+        torch.from_numpy(seq_lens.astype(np.int32)),
+        torch.from_numpy(context_lens.astype(np.int32)),
+        torch.from_numpy(block_table),
+        torch.from_numpy(slots),
+        int(query_lens.max()),
+        int(seq_lens.max()),
+        qsl,
+        seq_lens,
+        context_lens,
+    )
     new_k = torch.cat([k[c:] for k, (c, _) in zip(k_full, shapes)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(v_full, shapes)])
-    return dict(common=common, cache=cache.to(device), q=torch.cat(q_new), k=new_k, v=new_v, shapes=shapes,
-                k_full=k_full, v_full=v_full, q_list=q_new)
+    return dict(
+        common=common,
+        cache=cache.to(device),
+        q=torch.cat(q_new),
+        k=new_k,
+        v=new_v,
+        shapes=shapes,
+        k_full=k_full,
+        v_full=v_full,
+        q_list=q_new,
+    )
 
 
 def reference(case, scale, num_heads, num_kv_heads, sliding_window, soft_cap):
@@ -74,15 +92,23 @@ def reference(case, scale, num_heads, num_kv_heads, sliding_window, soft_cap):
         for i in range(query):
             pos = context + i
             start = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            scores = torch.einsum("hd,khd->hk", q[i].double(), k[start:pos + 1]) * scale
+            scores = torch.einsum("hd,khd->hk", q[i].double(), k[start : pos + 1]) * scale
             if soft_cap is not None:
                 scores = soft_cap * torch.tanh(scores / soft_cap)
-            outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[start:pos + 1]))
+            outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[start : pos + 1]))
     return torch.stack(outputs)
 
 
-def check_backend(backend: type, device: str, block_size: int, num_heads: int, num_kv_heads: int, variant: str,
-                  dtype: torch.dtype, head_size: int = 64) -> None:
+def check_backend(
+    backend: type[AttentionBackend],
+    device: str,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    variant: str,
+    dtype: torch.dtype,
+    head_size: int = 64,
+) -> None:
     """AssertionError unless ``backend`` gives the reference's outputs on the case and writes the new K/V
     into their cache slots."""
     sliding_window, soft_cap = VARIANTS[variant]
@@ -99,12 +125,18 @@ def check_backend(backend: type, device: str, block_size: int, num_heads: int, n
     builder = backend.get_builder_cls()({}, torch.device(device), block_size, sliding_window)
     metadata = builder.build(case["common"])
     tokens = case["q"].shape[0]
-    out = impl.forward(case["q"].to(device, dtype).reshape(tokens, -1), case["k"].to(device, dtype).reshape(tokens, -1),
-                       case["v"].to(device, dtype).reshape(tokens, -1), case["cache"], metadata)
+    out = impl.forward(
+        case["q"].to(device, dtype).reshape(tokens, -1),
+        case["k"].to(device, dtype).reshape(tokens, -1),
+        case["v"].to(device, dtype).reshape(tokens, -1),
+        case["cache"],
+        metadata,
+    )
     expected = reference(case, scale, num_heads, num_kv_heads, sliding_window, soft_cap)
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out.view(tokens, num_heads, head_size).double().cpu(), expected,
-                               atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(
+        out.view(tokens, num_heads, head_size).double().cpu(), expected, atol=tolerance, rtol=tolerance
+    )
     # the new K/V landed in their slots
     slots = case["common"].slot_mapping.to(device)
     key_cache = case["cache"][0].transpose(1, 2) if head_major else case["cache"][0]

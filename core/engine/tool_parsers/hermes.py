@@ -1,5 +1,6 @@
 """The hermes tool-call format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the text
 (Hermes, Qwen2.5 / Qwen3 and many other chat templates use it)."""
+
 from __future__ import annotations
 
 import json
@@ -50,19 +51,20 @@ class HermesToolParser(ToolParser):
         calls = [parse_call(match.group(1)) for match in _CALL.finditer(text)]
         if not calls or any(call is None for call in calls):
             return ExtractedToolCalls(text, [])  # not a well-formed call: the model's words stay its answer
-        content = text[:text.index(START)].strip()
-        return ExtractedToolCalls(content or None, calls)
+        content = text[: text.index(START)].strip()
+        return ExtractedToolCalls(content or None, [call for call in calls if call is not None])
 
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
-                                     finished: bool) -> Optional[DeltaMessage]:
+    def extract_tool_calls_streaming(
+        self, previous_text: str, current_text: str, delta_text: str, finished: bool
+    ) -> Optional[DeltaMessage]:
         delta = DeltaMessage()
         content_parts: list[str] = []
         while self.sent_chars < len(current_text):
-            rest = current_text[self.sent_chars:]
+            rest = current_text[self.sent_chars :]
             start = rest.find(START)
             if start < 0:  # plain text, less a tail that may open a tag
                 hold = 0 if finished else _partial_tag_length(rest)
-                content_parts.append(rest[:len(rest) - hold])
+                content_parts.append(rest[: len(rest) - hold])
                 self.sent_chars += len(rest) - hold
                 break
             if start:
@@ -72,7 +74,7 @@ class HermesToolParser(ToolParser):
             end = rest.find(END)
             if end < 0 and not finished:
                 break  # a call still being written: sent whole once it closes
-            body = rest[len(START):end if end >= 0 else len(rest)]
+            body = rest[len(START) : end if end >= 0 else len(rest)]
             call = parse_call(body.strip())
             consumed = end + len(END) if end >= 0 else len(rest)
             if call is None:

@@ -1,4 +1,5 @@
 """BlockTable: one KV-cache group's block ids for every row of the persistent input batch."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +22,7 @@ class BlockTable:
         if not block_ids:
             return
         start = int(self.num_blocks_per_row[row])
-        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks_per_row[row] = start + len(block_ids)
 
     def move_row(self, src: int, dst: int) -> None:
@@ -30,7 +31,7 @@ class BlockTable:
         self.num_blocks_per_row[dst] = num
 
     def row_ids(self, row: int) -> list[int]:
-        return self.block_table[row, :self.num_blocks_per_row[row]].tolist()
+        return self.block_table[row, : self.num_blocks_per_row[row]].tolist()
 
     def table(self, num_reqs: int) -> np.ndarray:
         """The first ``num_reqs`` rows, as wide as the longest of them (contiguous, for the kernels)."""

@@ -6,21 +6,19 @@ appended to all rows in one vectorised write. Removing a request leaves a hole t
 request fills, and ``condense`` moves the last rows into the holes that remain, so rows
 ``0..num_reqs-1`` are always the batch.
 """
+
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 
+from engine.interfaces.logits_processor import SAMPLING_COLUMNS
 from engine.sampling_params import SamplingParams
 from engine.worker.block_table import BlockTable
 
-# per-row sampling settings kept as arrays, and their dtypes
-SAMPLING_COLUMNS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
-                    "presence_penalty": np.float32, "frequency_penalty": np.float32,
-                    "repetition_penalty": np.float32}
 _INITIAL_TOKEN_WIDTH = 1024
 
 
@@ -83,7 +81,7 @@ class InputBatch:
         params = state.sampling_params
         self.params[row] = params
         self._ensure_width(len(state.token_ids) + 1)
-        self.token_ids[row, :len(state.token_ids)] = state.token_ids
+        self.token_ids[row, : len(state.token_ids)] = state.token_ids
         self.num_tokens[row] = len(state.token_ids)
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
@@ -91,7 +89,7 @@ class InputBatch:
         for name, column in self._columns.items():
             column[row] = getattr(params, name)
         self.seeded[row] = params.seed is not None and not params.greedy
-        self.seeds[row] = params.seed if self.seeded[row] else 0
+        self.seeds[row] = params.seed if self.seeded[row] and params.seed is not None else 0
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         self.uses_processor[:, row] = state.processor_mask
@@ -105,7 +103,7 @@ class InputBatch:
         if row is None:
             return
         if state is not None:
-            state.token_ids = self.token_ids[row, :self.num_tokens[row]].tolist()
+            state.token_ids = self.token_ids[row, : self.num_tokens[row]].tolist()
             state.block_ids = [table.row_ids(row) for table in self.block_tables]
             state.num_computed_tokens = int(self.num_computed_tokens[row])
         self.req_ids[row] = None
@@ -127,13 +125,22 @@ class InputBatch:
             self.req_ids.pop()
 
     def _move_row(self, src: int, dst: int) -> None:
-        req_id = self.req_ids[src]
+        req_id = cast(str, self.req_ids[src])  # a filled row moves into a hole
         self.req_ids[dst] = req_id
         self.req_id_to_index[req_id] = dst
         self.params[dst], self.params[src] = self.params[src], None
-        self.token_ids[dst, :self.num_tokens[src]] = self.token_ids[src, :self.num_tokens[src]]
-        for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.eos_token_id,
-                      self.seeds, self.seeded, self.num_logprobs, self.num_prompt_logprobs, *self._columns.values()):
+        self.token_ids[dst, : self.num_tokens[src]] = self.token_ids[src, : self.num_tokens[src]]
+        for array in (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.eos_token_id,
+            self.seeds,
+            self.seeded,
+            self.num_logprobs,
+            self.num_prompt_logprobs,
+            *self._columns.values(),
+        ):
             array[dst] = array[src]
         self.uses_processor[:, dst] = self.uses_processor[:, src]
         for table in self.block_tables:
@@ -158,13 +165,13 @@ class InputBatch:
         tokens: ``num_tokens`` does not move)."""
         end = int(self.num_tokens[row])
         self._ensure_width(end + len(draft_token_ids) + 1)
-        self.token_ids[row, end:end + len(draft_token_ids)] = draft_token_ids
+        self.token_ids[row, end : end + len(draft_token_ids)] = draft_token_ids
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         """Append several tokens to one row (the accepted drafts and the token after them)."""
         end = int(self.num_tokens[row])
         self._ensure_width(end + len(token_ids) + 1)
-        self.token_ids[row, end:end + len(token_ids)] = token_ids
+        self.token_ids[row, end : end + len(token_ids)] = token_ids
         self.num_tokens[row] = end + len(token_ids)
 
     def _ensure_width(self, width: int) -> None:
@@ -172,5 +179,5 @@ class InputBatch:
             return
         new_width = min(max(width, 2 * self.token_ids.shape[1]), self.max_model_len + 1)
         grown = np.zeros((self.max_num_reqs, new_width), dtype=np.int32)
-        grown[:, :self.token_ids.shape[1]] = self.token_ids
+        grown[:, : self.token_ids.shape[1]] = self.token_ids
         self.token_ids = grown

@@ -1,11 +1,13 @@
 """ModelRunner: keeps the workers' copy of each running request in a persistent input batch, builds the
 step's input tensors and attention metadata from it, runs the model, and samples only at the positions
 that produce a token."""
+
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 import torch
@@ -32,13 +34,40 @@ from engine.worker.input_batch import CachedRequestState, InputBatch
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class StepInputs:
+    """What one step runs on, built from the persistent batch and the scheduler's plan (rows: batch rows)."""
+
+    req_ids: list[str]  # the batch's requests, row order
+    num_scheduled: np.ndarray  # [rows] tokens each row runs this step
+    input_ids: torch.Tensor  # [tokens] on the model's device
+    positions: torch.Tensor  # [tokens]
+    attn_metadata: list[Any]  # one per KV-cache group, from its backend's builder
+    sampling_rows: np.ndarray  # rows that produce a token this step (their prompt is complete)
+    num_drafts: np.ndarray  # [sampling rows] speculative drafts each verifies
+    logits_indices: torch.Tensor  # [positions to sample] token index of each, 1 + drafts per sampling row
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        """[rows + 1] where each row's tokens start."""
+        return np.concatenate([[0], np.cumsum(self.num_scheduled)])
+
+
 class ModelRunner:
     """One rank's model, KV caches, attention metadata builders, logits processors and sampler."""
 
-    def __init__(self, vllm_config: VllmConfig, model_info: ModelInfo, device: torch.device,
-                 attention_backend: type, sampler, logits_processors: list,
-                 layer_kernels: Optional[LayerKernels] = None, quantization=None,
-                 proposer: Optional[Proposer] = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        model_info: ModelInfo,
+        device: torch.device,
+        attention_backend: Any,
+        sampler: Any,
+        logits_processors: list[Any],
+        layer_kernels: Optional[LayerKernels] = None,
+        quantization: Any = None,
+        proposer: Optional[Proposer] = None,
+    ):
         self.vllm_config = vllm_config
         self.model_info = model_info
         self.device = device
@@ -51,17 +80,31 @@ class ModelRunner:
         self.num_speculative_tokens = vllm_config.speculative.num_speculative_tokens
         self.block_size = vllm_config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch: Optional[InputBatch] = None
-        self.model = None
+        self.input_batch: Optional[InputBatch] = None  # made with the KV caches (it needs their block sizes)
+        self.model: Optional[torch.nn.Module] = None
         self.attention_layers: dict[str, Attention] = {}
-        self.builders: list = []
+        self.builders: list[Any] = []
         self.decode_step: Optional[CapturedDecodeStep] = None  # the captured decode step, unless enforce_eager
         self.num_captured_steps = 0  # steps the capture ran (the rest ran eagerly)
 
+    @property
+    def batch(self) -> InputBatch:
+        """The persistent input batch (there once the KV caches are initialised)."""
+        if self.input_batch is None:
+            raise RuntimeError("the model runner has no input batch before initialize_kv_cache")
+        return self.input_batch
+
+    @property
+    def loaded_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("the model runner has no model before load_model")
+        return self.model
+
     # ---- set-up --------------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = load_model(self.model_info, self.device, layer_kernels=self.layer_kernels,
-                                quantization=self.quantization)
+        self.model = load_model(
+            self.model_info, self.device, layer_kernels=self.layer_kernels, quantization=self.quantization
+        )
         options = self.vllm_config.attention.options
         for module in self.model.modules():
             if isinstance(module, Attention):
@@ -71,12 +114,14 @@ class ModelRunner:
             self.proposer.load(self)
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
-        specs = {}
+        specs: dict[str, FullAttentionSpec] = {}
         for name, layer in self.attention_layers.items():
-            common = dict(block_size=self.block_size, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
-                          dtype=self.model_info.dtype)
-            specs[name] = (SlidingWindowSpec(**common, sliding_window=layer.sliding_window)
-                           if layer.sliding_window else FullAttentionSpec(**common))
+            shape = (self.block_size, layer.num_kv_heads, layer.head_size, self.model_info.dtype)
+            specs[name] = (
+                SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
+                if layer.sliding_window
+                else FullAttentionSpec(*shape)
+            )
         return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -84,13 +129,14 @@ class ModelRunner:
         and make one metadata builder per group."""
         self.builders = []
         own_specs = self.get_kv_cache_spec()  # this rank's heads (ranks may hold different KV-head counts)
-        for names in kv_cache_config.shared_tensors():
-            names = [name for name in names if name in own_specs]  # a pipeline stage holds its layers' caches only
+        for shared in kv_cache_config.shared_tensors():
+            names = [name for name in shared if name in own_specs]  # a pipeline stage holds its layers' caches only
             if not names:
                 continue
             own = own_specs[names[0]]
-            shape = self.attention_backend.get_kv_cache_shape(kv_cache_config.num_blocks, own.block_size,
-                                                              own.num_kv_heads, own.head_size)
+            shape = self.attention_backend.get_kv_cache_shape(
+                kv_cache_config.num_blocks, own.block_size, own.num_kv_heads, own.head_size
+            )
             tensor = torch.zeros(shape, dtype=own.dtype, device=self.device)
             for name in names:
                 self.attention_layers[name].kv_cache = tensor
@@ -98,12 +144,20 @@ class ModelRunner:
             for name in group.layer_names:
                 if name in self.attention_layers:
                     self.attention_layers[name].kv_cache_group = group_id
-            self.builders.append(self.attention_backend.get_builder_cls()(
-                self.vllm_config.attention.options, self.device, group.spec.block_size,
-                getattr(group.spec, "sliding_window", None)))
-        self.input_batch = InputBatch(self.vllm_config.scheduler.max_num_seqs, self.model_info.max_model_len,
-                                      [group.spec.block_size for group in kv_cache_config.groups],
-                                      len(self.logits_processors))
+            self.builders.append(
+                self.attention_backend.get_builder_cls()(
+                    self.vllm_config.attention.options,
+                    self.device,
+                    group.spec.block_size,
+                    getattr(group.spec, "sliding_window", None),
+                )
+            )
+        self.input_batch = InputBatch(
+            self.vllm_config.scheduler.max_num_seqs,
+            self.model_info.max_model_len,
+            [group.spec.block_size for group in kv_cache_config.groups],
+            len(self.logits_processors),
+        )
         self.decode_step = self._capture_decode_step()
 
     def _capture_decode_step(self) -> Optional[CapturedDecodeStep]:
@@ -114,38 +168,50 @@ class ModelRunner:
             logger.info("decode step not captured (it runs eagerly): a pipeline stage runs a slice of the model")
             return None
         try:
-            step = self.layer_kernels.capture_decode_step(self.model, self.attention_layers)
+            step = self.layer_kernels.capture_decode_step(self.loaded_model, self.attention_layers)
         except DecodeCaptureUnsupported as reason:
             logger.info("decode step not captured (it runs eagerly): %s", reason)
             return None
-        logger.info("decode step captured by the '%s' layer kernels (pure decode steps of up to %d requests)",
-                    self.layer_kernels.name, step.max_batch_size)
+        logger.info(
+            "decode step captured by the '%s' layer kernels (pure decode steps of up to %d requests)",
+            self.layer_kernels.name,
+            step.max_batch_size,
+        )
         return step
 
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list,
-                   max_query_len: int):
+    def _run_model(self, inputs: StepInputs) -> Any:
         """The final hidden states: the captured decode step where it takes this step, else the eager model.
         A pipeline stage receives the previous stage's tensors first; all but the last return theirs."""
+        input_ids, positions, metadata = inputs.input_ids, inputs.positions, inputs.attn_metadata
+        model: Any = self.loaded_model
         pp = get_pp_group()
         if pp.world_size > 1:
-            intermediate = None if pp.is_first_rank else pp.recv_tensor_dict(
-                self.model.make_empty_intermediate_tensors(len(positions), self.model_info.dtype, self.device))
+            intermediate = (
+                None
+                if pp.is_first_rank
+                else pp.recv_tensor_dict(
+                    model.make_empty_intermediate_tensors(len(positions), self.model_info.dtype, self.device)
+                )
+            )
             with set_forward_context(metadata):
-                return self.model(input_ids, positions, intermediate)
+                return model(input_ids, positions, intermediate)
         step = self.decode_step
-        if step is not None and len(input_ids) <= step.max_batch_size and (max_query_len == 1 or step.takes_short_queries):
+        if (
+            step is not None
+            and len(input_ids) <= step.max_batch_size
+            and (int(inputs.num_scheduled.max()) == 1 or step.takes_short_queries)
+        ):
             hidden_states = step(input_ids, positions, metadata)
             if hidden_states is not None:
                 self.num_captured_steps += 1
                 return hidden_states
         with set_forward_context(metadata):
-            return self.model(input_ids, positions)
-
+            return model(input_ids, positions)
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the persistent batch: O(requests that changed) row writes."""
-        batch = self.input_batch
+        batch = self.batch
         if self.proposer is not None and scheduler_output.finished_req_ids:
             self.proposer.finished([r for r in scheduler_output.finished_req_ids if r in self.requests])
         for req_id in scheduler_output.finished_req_ids:
@@ -157,10 +223,16 @@ class ModelRunner:
         for new in scheduler_output.scheduled_new_reqs:
             batch.remove_request(new.req_id)  # a new-request record replaces whatever this worker held
             params = new.sampling_params
-            state = CachedRequestState(new.req_id, new.prompt_token_ids,
-                                       list(new.prompt_token_ids) + list(new.output_token_ids), params,
-                                       [list(ids) for ids in new.block_ids], new.num_computed_tokens,
-                                       new.eos_token_id, [p.requested_by(params) for p in self.logits_processors])
+            state = CachedRequestState(
+                new.req_id,
+                new.prompt_token_ids,
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                params,
+                [list(ids) for ids in new.block_ids],
+                new.num_computed_tokens,
+                new.eos_token_id,
+                [p.requested_by(params) for p in self.logits_processors],
+            )
             self.requests[new.req_id] = state
             batch.add_request(state)
         for cached in scheduler_output.scheduled_cached_reqs:
@@ -183,12 +255,13 @@ class ModelRunner:
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             batch.write_drafts(batch.req_id_to_index[req_id], drafts)
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        batch = self.input_batch
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        batch = self.batch
         num_reqs = batch.num_reqs
-        req_ids = batch.req_ids[:num_reqs]
-        num_scheduled = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids),
-                                    dtype=np.int64, count=num_reqs)
+        req_ids = cast(list[str], batch.req_ids[:num_reqs])  # the rows below num_reqs are filled (condensed)
+        num_scheduled = np.fromiter(
+            map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=num_reqs
+        )
         computed = batch.num_computed_tokens[:num_reqs]
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -198,34 +271,51 @@ class ModelRunner:
         positions = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1] - computed, num_scheduled)
         input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
         sampling_rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
-        common_tensors = dict(query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-                              seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-                              num_computed_tokens=torch.from_numpy(computed.astype(np.int32)))
+        common_tensors = dict(
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            num_computed_tokens=torch.from_numpy(computed.astype(np.int32)),
+        )
         metadata = []
         for builder, table in zip(self.builders, batch.block_tables):
             common = CommonAttentionMetadata(
-                **common_tensors, block_table=torch.from_numpy(table.table(num_reqs)),
+                **common_tensors,
+                block_table=torch.from_numpy(table.table(num_reqs)),
                 slot_mapping=torch.from_numpy(table.slot_mapping(token_rows, positions)),
-                max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
-                query_start_loc_np=query_start_loc, seq_lens_np=seq_lens, num_computed_tokens_np=computed.copy())
+                max_query_len=int(num_scheduled.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc_np=query_start_loc,
+                seq_lens_np=seq_lens,
+                num_computed_tokens_np=computed.copy(),
+            )
             metadata.append(builder.build(common))
         # a row with drafts samples at its last known token and at each draft: 1 + drafts positions
         spec = scheduler_output.scheduled_spec_decode_tokens
-        num_drafts = np.array([len(spec.get(req_ids[r], ())) for r in sampling_rows], dtype=np.int64) if spec \
+        num_drafts = (
+            np.array([len(spec.get(req_ids[r], ())) for r in sampling_rows], dtype=np.int64)
+            if spec
             else np.zeros(len(sampling_rows), dtype=np.int64)
+        )
         ends = query_start_loc[1:][sampling_rows]
         if spec:
             logits_indices = np.repeat(ends, num_drafts + 1) - _counting_down(num_drafts + 1)
         else:
             logits_indices = ends - 1
-        return (req_ids, num_scheduled, torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(positions).to(self.device), metadata, sampling_rows, num_drafts,
-                torch.from_numpy(logits_indices))
+        return StepInputs(
+            req_ids,
+            num_scheduled,
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            metadata,
+            sampling_rows,
+            num_drafts,
+            torch.from_numpy(logits_indices),
+        )
 
     def _sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray] = None) -> SamplingMetadata:
         """The sampling rows' settings, sliced from the batch's persistent arrays (``offsets``: a logits row's
         position among its request's verified positions, with speculative decoding)."""
-        batch = self.input_batch
+        batch = self.batch
         column = lambda name: batch.sampling_column(name)[rows]
         temperature = column("temperature")
         top_k, top_p = column("top_k"), column("top_p")
@@ -236,29 +326,49 @@ class ModelRunner:
             temperature=torch.from_numpy(temperature),
             top_k=torch.from_numpy(top_k) if (top_k > 0).any() else None,
             top_p=torch.from_numpy(top_p) if (top_p < 1).any() else None,
-            all_greedy=bool(greedy.all()), all_random=not greedy.any(),
+            all_greedy=bool(greedy.all()),
+            all_random=not greedy.any(),
             req_ids=[batch.req_ids[r] for r in rows],
             seeds=torch.from_numpy(batch.seeds[rows]) if any_seeded else None,
             seeded=torch.from_numpy(seeded) if any_seeded else None,
-            output_index=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-                                          + (0 if offsets is None else offsets)) if any_seeded else None)
+            output_index=torch.from_numpy(
+                batch.num_tokens[rows] - batch.num_prompt_tokens[rows] + (0 if offsets is None else offsets)
+            )
+            if any_seeded
+            else None,
+        )
 
-    def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray,
-                                 offsets: Optional[np.ndarray] = None) -> None:
-        num_tokens = None if offsets is None else self.input_batch.num_tokens[rows] + offsets
-        for processor, uses in zip(self.logits_processors, self.input_batch.uses_processor):
+    def _apply_logits_processors(
+        self, logits: torch.Tensor, rows: np.ndarray, offsets: Optional[np.ndarray] = None
+    ) -> None:
+        batch = self.batch
+        num_tokens = None if offsets is None else batch.num_tokens[rows] + offsets
+        for processor, uses in zip(self.logits_processors, batch.uses_processor):
             asked = np.nonzero(uses[rows])[0]
             if len(asked):
-                processor.apply(logits, LogitsBatch(torch.from_numpy(asked), self.input_batch, rows[asked],
-                                                    None if num_tokens is None else num_tokens[asked]))
+                processor.apply(
+                    logits,
+                    LogitsBatch(
+                        torch.from_numpy(asked),
+                        batch,
+                        rows[asked],
+                        None if num_tokens is None else num_tokens[asked],
+                    ),
+                )
 
     @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, scheduler_output: SchedulerOutput, req_ids: list[str],
-                               position_rows: np.ndarray, offsets: Optional[np.ndarray]) -> None:
+    def _apply_grammar_bitmask(
+        logits: torch.Tensor,
+        scheduler_output: SchedulerOutput,
+        req_ids: list[str],
+        position_rows: np.ndarray,
+        offsets: Optional[np.ndarray],
+    ) -> None:
         """Structured outputs: -inf for the tokens a constrained row's grammar does not allow (only those rows
         are touched; tokens past the bitmask's vocabulary are never allowed). A request's logits row at draft
         offset i takes bitmask row first + i (its grammar after accepting the first i drafts)."""
         first_row_of = scheduler_output.structured_output_request_ids
+        assert scheduler_output.grammar_bitmask is not None
         logit_rows, mask_rows = [], []
         for index, row in enumerate(position_rows.tolist()):
             first_row = first_row_of.get(req_ids[row])
@@ -273,15 +383,18 @@ class ModelRunner:
         vocab = logits.shape[-1]
         if allowed.shape[1] < vocab:
             allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-        index = torch.tensor(logit_rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+        rows = torch.tensor(logit_rows, device=logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
 
-    def _prompt_logprobs(self, hidden_states: torch.Tensor, query_start_loc: np.ndarray) -> dict[str, list[TokenLogprobs]]:
+    def _prompt_logprobs(
+        self, hidden_states: torch.Tensor, query_start_loc: np.ndarray
+    ) -> dict[str, list[TokenLogprobs]]:
         """Score the prompt tokens this step reaches: position p's logits rate prompt token p + 1."""
-        batch = self.input_batch
+        batch = self.batch
+        model: Any = self.loaded_model
         result = {}
-        for row in np.nonzero(batch.num_prompt_logprobs[:batch.num_reqs] >= 0)[0].tolist():
-            state = self.requests[batch.req_ids[row]]
+        for row in np.nonzero(batch.num_prompt_logprobs[: batch.num_reqs] >= 0)[0].tolist():
+            state = self.requests[cast(str, batch.req_ids[row])]
             num_prompt = len(state.prompt_token_ids)
             start = int(batch.num_computed_tokens[row])
             end = start + int(query_start_loc[row + 1] - query_start_loc[row])
@@ -289,55 +402,74 @@ class ModelRunner:
             if start >= last:
                 continue
             rows = torch.arange(int(query_start_loc[row]), int(query_start_loc[row]) + last - start)
-            targets = torch.tensor(state.prompt_token_ids[start + 1:last + 1])
-            logprobs = self.model.compute_logits(hidden_states[rows.to(self.device)]).log_softmax(dim=-1)
+            targets = torch.tensor(state.prompt_token_ids[start + 1 : last + 1])
+            logprobs = model.compute_logits(hidden_states[rows.to(self.device)]).log_softmax(dim=-1)
             k = int(batch.num_prompt_logprobs[row])
             result[state.req_id] = gather_logprobs(logprobs.cpu(), targets, [k] * len(targets))
         return result
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """One step: the sampled tokens (and drafts, logprobs) of every scheduled request; None on a pipeline
+        stage before the last, which hands its hidden states on instead."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
-        batch = self.input_batch
-        req_ids, num_scheduled, input_ids, positions, metadata, sampling_rows, num_drafts, logits_indices = \
-            self._prepare_inputs(scheduler_output)
-        hidden_states = self._run_model(input_ids, positions, metadata, int(num_scheduled.max()))
+        batch = self.batch
+        inputs = self._prepare_inputs(scheduler_output)
+        req_ids, sampling_rows, num_drafts = inputs.req_ids, inputs.sampling_rows, inputs.num_drafts
+        hidden_states = self._run_model(inputs)
         if not get_pp_group().is_last_rank:  # hand the residual stream on; the last stage samples
             get_pp_group().send_tensor_dict(hidden_states)
-            batch.num_computed_tokens[:len(req_ids)] += num_scheduled
+            batch.num_computed_tokens[: len(req_ids)] += inputs.num_scheduled
             return None
-        prompt_logprobs = {}
-        if (batch.num_prompt_logprobs[:len(req_ids)] >= 0).any():
-            query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
-            prompt_logprobs = self._prompt_logprobs(hidden_states, query_start_loc)
-        batch.num_computed_tokens[:len(req_ids)] += num_scheduled
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if (batch.num_prompt_logprobs[: len(req_ids)] >= 0).any():
+            prompt_logprobs = self._prompt_logprobs(hidden_states, inputs.query_start_loc)
+        batch.num_computed_tokens[: len(req_ids)] += inputs.num_scheduled
         if not len(sampling_rows):
             return ModelRunnerOutput(req_ids, [[] for _ in req_ids], {}, prompt_logprobs)
+        model: Any = self.loaded_model
         # one logits row per sampled position: row i of sampling_rows owns 1 + num_drafts[i] of them
         speculating = bool(num_drafts.any())
         position_rows = np.repeat(sampling_rows, num_drafts + 1) if speculating else sampling_rows
-        offsets = (np.arange(len(position_rows)) - np.repeat(np.cumsum(num_drafts + 1) - num_drafts - 1,
-                                                              num_drafts + 1)) if speculating else None
-        logits = self.model.compute_logits(hidden_states[logits_indices.to(self.device)])
+        offsets = (
+            (np.arange(len(position_rows)) - np.repeat(np.cumsum(num_drafts + 1) - num_drafts - 1, num_drafts + 1))
+            if speculating
+            else None
+        )
+        logits = model.compute_logits(hidden_states[inputs.logits_indices.to(self.device)])
         num_logprobs = batch.num_logprobs[position_rows]
         wants_logprobs = np.nonzero(num_logprobs >= 0)[0]
-        raw_logprobs = logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1).cpu() if len(wants_logprobs) else None
+        raw_logprobs = (
+            logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1).cpu() if len(wants_logprobs) else None
+        )
         self._apply_logits_processors(logits, position_rows, offsets)
         if scheduler_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, scheduler_output, req_ids, position_rows, offsets)
         sampling_metadata = self._sampling_metadata(position_rows, offsets)
         if speculating:
-            emitted = self._verify_drafts(logits, sampling_metadata, position_rows, offsets, sampling_rows, num_drafts,
-                                          scheduler_output.scheduled_spec_decode_tokens)
+            assert offsets is not None
+            emitted = self._verify_drafts(
+                logits,
+                sampling_metadata,
+                position_rows,
+                offsets,
+                sampling_rows,
+                num_drafts,
+                scheduler_output.scheduled_spec_decode_tokens,
+            )
         else:
             sampled = self.sampler(logits, sampling_metadata).sampled_token_ids
             sampled = get_tp_group().broadcast(sampled.contiguous(), src=0).cpu()  # every rank keeps rank 0's tokens
             batch.append_sampled(sampling_rows, sampled.numpy())
             emitted = sampled.unsqueeze(1).tolist()
-        logprobs = self._sampled_logprobs(raw_logprobs, wants_logprobs, num_logprobs, position_rows, emitted,
-                                          num_drafts) if len(wants_logprobs) else {}
+        logprobs = (
+            self._sampled_logprobs(raw_logprobs, wants_logprobs, num_logprobs, position_rows, emitted, num_drafts)
+            if raw_logprobs is not None
+            else {}
+        )
+        sampled_lists: list[list[int]]
         if len(sampling_rows) == len(req_ids):
             sampled_lists = emitted
         else:
@@ -347,12 +479,19 @@ class ModelRunner:
         spec_token_ids = self._propose(sampling_rows) if self.proposer is not None else {}
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, spec_token_ids)
 
-    def _verify_drafts(self, logits: torch.Tensor, metadata: SamplingMetadata, position_rows: np.ndarray,
-                       offsets: np.ndarray, sampling_rows: np.ndarray, num_drafts: np.ndarray,
-                       spec_tokens: dict[str, list[int]]) -> list[list[int]]:
+    def _verify_drafts(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        position_rows: np.ndarray,
+        offsets: np.ndarray,
+        sampling_rows: np.ndarray,
+        num_drafts: np.ndarray,
+        spec_tokens: dict[str, list[int]],
+    ) -> list[list[int]]:
         """The rejection sampler over every row's drafts; appends the kept tokens to the batch and rolls the
         rows' computed-token counts back past the rejected drafts."""
-        batch = self.input_batch
+        batch = self.batch
         num_rows, max_drafts = len(sampling_rows), int(num_drafts.max())
         starts = np.cumsum(num_drafts + 1) - num_drafts - 1
         # [rows, K + 1] logits row of each position; padding repeats the row's last (bonus) position
@@ -360,7 +499,7 @@ class ModelRunner:
         draft_ids = torch.full((num_rows, max_drafts), -1, dtype=torch.int64)
         for i, row in enumerate(sampling_rows.tolist()):
             drafts = spec_tokens.get(batch.req_ids[row], ())
-            draft_ids[i, :len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
+            draft_ids[i, : len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
         greedy = metadata.temperature[torch.from_numpy(starts)] < GREEDY_EPS
         # the sampler runs where its token can be emitted: every position of a greedy row (its argmax), the
         # bonus position of a sampled row (the others draw from the rejection rule)
@@ -369,24 +508,30 @@ class ModelRunner:
         sampled = torch.full((len(position_rows),), -1, dtype=torch.int64)
         sampled[torch.from_numpy(wanted)] = self.sampler(
             logits[torch.from_numpy(wanted).to(logits.device)],
-            self._sampling_metadata(position_rows[wanted], offsets[wanted])).sampled_token_ids.cpu()
-        target_probs = uniform = None
+            self._sampling_metadata(position_rows[wanted], offsets[wanted]),
+        ).sampled_token_ids.cpu()
+        target_probs: Any = None
+        uniform: Optional[torch.Tensor] = None
         if not bool(greedy.all()):
+
             def target_probs_at(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
                 at = index[rows, positions]
-                settings = SimpleNamespace(temperature=metadata.temperature[at],
-                                           top_k=None if metadata.top_k is None else metadata.top_k[at],
-                                           top_p=None if metadata.top_p is None else metadata.top_p[at])
+                settings = SimpleNamespace(
+                    temperature=metadata.temperature[at],
+                    top_k=None if metadata.top_k is None else metadata.top_k[at],
+                    top_p=None if metadata.top_p is None else metadata.top_p[at],
+                )
                 return sampling_probs(logits[at.to(logits.device)], settings).cpu()
 
             target_probs = target_probs_at
             uniform = metadata.uniform(3)[:, 1:][index[:, :max_drafts]]
-        emitted = rejection_sample(draft_ids, torch.from_numpy(num_drafts), sampled[index], greedy, target_probs,
-                                   None, uniform)
+        emitted = rejection_sample(
+            draft_ids, torch.from_numpy(num_drafts), sampled[index], greedy, target_probs, None, uniform
+        )
         # every rank keeps rank 0's tokens: [rows, K + 1], -1 past each row's end
         padded = torch.full((num_rows, max_drafts + 1), -1, dtype=torch.int64)
         for i, tokens in enumerate(emitted):
-            padded[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         padded = get_tp_group().broadcast(padded, src=0)
         emitted = [[t for t in tokens if t >= 0] for tokens in padded.tolist()]
         for row, tokens, drafted in zip(sampling_rows.tolist(), emitted, num_drafts.tolist()):
@@ -394,11 +539,17 @@ class ModelRunner:
             batch.num_computed_tokens[row] -= drafted - (len(tokens) - 1)
         return emitted
 
-    def _sampled_logprobs(self, raw_logprobs: torch.Tensor, wants_logprobs: np.ndarray, num_logprobs: np.ndarray,
-                          position_rows: np.ndarray, emitted: list[list[int]],
-                          num_drafts: np.ndarray) -> dict[str, list[TokenLogprobs]]:
+    def _sampled_logprobs(
+        self,
+        raw_logprobs: torch.Tensor,
+        wants_logprobs: np.ndarray,
+        num_logprobs: np.ndarray,
+        position_rows: np.ndarray,
+        emitted: list[list[int]],
+        num_drafts: np.ndarray,
+    ) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of every emitted token, from the raw logits of the position that produced it."""
-        batch = self.input_batch
+        batch = self.batch
         starts = np.cumsum(num_drafts + 1) - num_drafts - 1
         raw_index = np.full(len(position_rows), -1, dtype=np.int64)
         raw_index[wants_logprobs] = np.arange(len(wants_logprobs))
@@ -411,19 +562,23 @@ class ModelRunner:
                 picks.append(raw_index[starts[i] + j])
                 tokens.append(token)
                 counts.append(int(num_logprobs[starts[i]]))
-        entries = gather_logprobs(raw_logprobs[torch.from_numpy(np.array(picks, dtype=np.int64))],
-                                  torch.tensor(tokens, dtype=torch.int64), counts)
-        logprobs, at = {}, 0
+        entries = gather_logprobs(
+            raw_logprobs[torch.from_numpy(np.array(picks, dtype=np.int64))],
+            torch.tensor(tokens, dtype=torch.int64),
+            counts,
+        )
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        at = 0
         for req_id, count in owners:
-            logprobs[req_id] = entries[at:at + count]
+            logprobs[req_id] = entries[at : at + count]
             at += count
         return logprobs
 
     def _propose(self, sampling_rows: np.ndarray) -> dict[str, list[int]]:
         """Drafts for the next step of the rows that sampled (rank 0 only: the scheduler sends them to all)."""
-        if get_tp_group().rank != 0:
+        if get_tp_group().rank != 0 or self.proposer is None:
             return {}
-        batch = self.input_batch
+        batch = self.batch
         num_tokens = batch.num_tokens[sampling_rows]
         limit = np.minimum(self.num_speculative_tokens, self.model_info.max_model_len - num_tokens - 1)
         for i, row in enumerate(sampling_rows.tolist()):
@@ -431,11 +586,20 @@ class ModelRunner:
             if max_tokens is not None:
                 limit[i] = min(limit[i], max_tokens - (num_tokens[i] - batch.num_prompt_tokens[row]) - 1)
         req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
-        proposal = ProposalBatch(req_ids, batch.num_prompt_tokens[sampling_rows], np.maximum(limit, 0),
-                                 batch.token_ids, sampling_rows, num_tokens)
+        proposal = ProposalBatch(
+            req_ids,
+            batch.num_prompt_tokens[sampling_rows],
+            np.maximum(limit, 0),
+            batch.token_ids,
+            sampling_rows,
+            num_tokens,
+        )
         drafts = self.proposer.propose(proposal)
-        return {req_id: [int(t) for t in tokens[:int(cap)]]
-                for req_id, tokens, cap in zip(req_ids, drafts, proposal.max_num_drafts) if len(tokens) and cap > 0}
+        return {
+            req_id: [int(t) for t in tokens[: int(cap)]]
+            for req_id, tokens, cap in zip(req_ids, drafts, proposal.max_num_drafts)
+            if len(tokens) and cap > 0
+        }
 
 
 def _counting_down(counts: np.ndarray) -> np.ndarray:

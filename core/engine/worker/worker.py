@@ -1,4 +1,5 @@
 """Worker: one rank's device, model runner and plugin instances; it only executes what it is told."""
+
 from __future__ import annotations
 
 import logging
@@ -8,11 +9,13 @@ from typing import Optional
 import torch
 
 from engine.config import VllmConfig
+from engine.devices import resolve_device
 from engine.distributed.parallel_state import destroy_model_parallel, init_model_parallel
 from engine.interfaces.base import SelectionContext
+from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig
 from engine.model.model_info import resolve_model
-from engine.devices import resolve_device
 from engine.plugins import get_plugin_manager
+from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.thread_policy import warn_if_not_in_effect
 from engine.worker.model_runner import ModelRunner
 
@@ -22,8 +25,14 @@ logger = logging.getLogger(__name__)
 class Worker:
     """Created by an Executor in whatever process holds the rank; resolves plugins by name itself."""
 
-    def __init__(self, vllm_config: VllmConfig, plugin_choices: dict[str, str], rank: int = 0,
-                 distributed_init_method: Optional[str] = None, device_index: Optional[int] = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        plugin_choices: dict[str, str],
+        rank: int = 0,
+        distributed_init_method: Optional[str] = None,
+        device_index: Optional[int] = None,
+    ):
         """``device_index``: the CUDA device to use when the executor knows it (a Ray actor sees only its own
         GPU, device 0); by default DP rank x TP + rank."""
         self.vllm_config = vllm_config
@@ -49,8 +58,13 @@ class Worker:
         if device_name == "cpu":
             warn_if_not_in_effect()
         torch.manual_seed(self.vllm_config.model.seed)
-        init_model_parallel(self.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                            self.distributed_init_method or "env://", "nccl" if device_name == "cuda" else "gloo")
+        init_model_parallel(
+            self.rank,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self.distributed_init_method or "env://",
+            "nccl" if device_name == "cuda" else "gloo",
+        )
 
     def load_model(self) -> None:
         info = resolve_model(self.vllm_config.model)
@@ -65,19 +79,34 @@ class Worker:
         proposer = plugins.select("proposer", proposer_name, ctx).create(self.vllm_config) if proposer_name else None
         layer_kernels = kernels.cls()
         layer_kernels.configure(self.vllm_config)
-        self.model_runner = ModelRunner(self.vllm_config, info, self.device, attention.cls,
-                                        sampler.create(self.vllm_config), processors, layer_kernels,
-                                        quantization.create(), proposer)
+        self.model_runner = ModelRunner(
+            self.vllm_config,
+            info,
+            self.device,
+            attention.cls,
+            sampler.create(self.vllm_config),
+            processors,
+            layer_kernels,
+            quantization.create(),
+            proposer,
+        )
         self.model_runner.load_model()
 
-    def get_kv_cache_spec(self):
-        return self.model_runner.get_kv_cache_spec()
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (there once ``load_model`` has run)."""
+        if self.model_runner is None:
+            raise RuntimeError("the worker has no model runner before load_model")
+        return self.model_runner
 
-    def initialize_kv_cache(self, kv_cache_config) -> None:
-        self.model_runner.initialize_kv_cache(kv_cache_config)
+    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+        return self.runner.get_kv_cache_spec()
 
-    def execute_model(self, scheduler_output):
-        return self.model_runner.execute_model(scheduler_output)
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        return self.runner.execute_model(scheduler_output)
 
     def check_health(self) -> bool:
         return True

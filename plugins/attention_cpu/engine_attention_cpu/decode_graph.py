@@ -8,10 +8,11 @@ gives the eager step's bits. Anything the C++ loop does not do as the eager laye
 tensor parallelism, a product or attention backend outside this plugin) is refused with the reason, and the
 step stays eager.
 """
+
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -22,6 +23,9 @@ from engine.model.layers.norm import RMSNorm
 from engine.model.layers.product_choice import ROW_BUCKETS, BucketedProduct
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from engine_attention_cpu.attention import CpuAttentionImpl, CpuAttentionMetadata
+from engine_attention_cpu.gemm import CpuPackedLinear
+from engine_attention_cpu.quant import QuantDotProduct
 
 MAX_BATCH_SIZE = int(ROW_BUCKETS[0].max_rows)  # the products are resolved for the smallest row bucket
 
@@ -31,7 +35,7 @@ def _require(condition: bool, reason: str) -> None:
         raise DecodeCaptureUnsupported(reason)
 
 
-def _same_forward(module: torch.nn.Module, reference: type) -> bool:
+def _same_forward(module: Any, reference: Any) -> bool:
     """The module runs ``reference``'s forward (a subclass may change only what the capture reads as data)."""
     return type(module).forward is reference.forward
 
@@ -39,9 +43,6 @@ def _same_forward(module: torch.nn.Module, reference: type) -> bool:
 def product_spec(name: str, product) -> tuple:
     """The C++ description of the product a linear layer runs at up to MAX_BATCH_SIZE rows (a product from outside
     this plugin, such as torch's where it measured faster on a small shape, is called back in Python)."""
-    from engine_attention_cpu.gemm import CpuPackedLinear
-    from engine_attention_cpu.quant import QuantDotProduct
-
     if isinstance(product, BucketedProduct):
         max_rows, product = product.products[0]
         _require(max_rows >= MAX_BATCH_SIZE, f"{name}: its first row bucket ends below {MAX_BATCH_SIZE} rows")
@@ -49,32 +50,50 @@ def product_spec(name: str, product) -> tuple:
         return ("gemm", product.panels, product.bias, product.out_features)
     if isinstance(product, QuantDotProduct):
         weight = product.weight
-        return ("quant", weight.data, weight.scales, product.bias, product.format_id, product.variant_id,
-                product.out_features)
+        return (
+            "quant",
+            weight.data,
+            weight.scales,
+            product.bias,
+            product.format_id,
+            product.variant_id,
+            product.out_features,
+        )
     _require(product is not None, f"{name} has no packed product (the plain torch product runs in the layer)")
     return ("python", product)  # a product measured faster than this plugin's: the graph calls it back
 
 
-def _check_layer(index: int, layer: torch.nn.Module, kernels) -> None:
-    from engine_attention_cpu.plugin import CpuAttentionImpl
-
+def _check_layer(index: int, layer: Any, kernels: Any) -> None:
     where = f"layer {index}"
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
     _require(_same_forward(layer, LlamaDecoderLayer), f"{where} is a {type(layer).__name__}, not a Llama layer")
-    _require(attn is not None and _same_forward(attn, LlamaAttention) and attn.qk_norm_cls is None,
-             f"{where}'s attention is not Llama's (q/k norms or another forward)")
-    _require(mlp is not None and _same_forward(mlp, LlamaMLP) and type(mlp.act_fn) is SiluAndMul,
-             f"{where}'s MLP is not Llama's SiLU-gated MLP")
+    _require(
+        attn is not None and _same_forward(attn, LlamaAttention) and attn.qk_norm_cls is None,
+        f"{where}'s attention is not Llama's (q/k norms or another forward)",
+    )
+    _require(
+        mlp is not None and _same_forward(mlp, LlamaMLP) and type(mlp.act_fn) is SiluAndMul,
+        f"{where}'s MLP is not Llama's SiLU-gated MLP",
+    )
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        _require(_same_forward(norm, RMSNorm) and norm.kernels is kernels,
-                 f"{where}'s norms are not RMSNorms on these layer kernels")
-    _require(_same_forward(attn.rotary_emb, RotaryEmbedding) and attn.rotary_emb.kernels is kernels,
-             f"{where}'s rotary embedding is not RotaryEmbedding on these layer kernels")
+        _require(
+            _same_forward(norm, RMSNorm) and norm.kernels is kernels,
+            f"{where}'s norms are not RMSNorms on these layer kernels",
+        )
+    _require(
+        _same_forward(attn.rotary_emb, RotaryEmbedding) and attn.rotary_emb.kernels is kernels,
+        f"{where}'s rotary embedding is not RotaryEmbedding on these layer kernels",
+    )
     impl = attn.attn.impl
-    _require(type(impl).forward is CpuAttentionImpl.forward,
-             f"{where}'s attention backend is {type(impl).__name__}, not this plugin's 'cpu' backend")
-    _require(attn.attn.kv_cache is not None and attn.attn.kv_cache_group == 0,
-             f"{where}'s KV cache is not in the first cache group (sliding-window groups stay eager)")
+    _require(
+        type(impl).forward is CpuAttentionImpl.forward,
+        f"{where}'s attention backend is {type(impl).__name__}, not this plugin's 'cpu' backend",
+    )
+    _require(
+        attn.attn.kv_cache is not None and attn.attn.kv_cache_group == 0,
+        f"{where}'s KV cache is not in the first cache group (sliding-window groups stay eager)",
+    )
 
 
 class CpuCapturedDecodeStep(CapturedDecodeStep):
@@ -83,35 +102,41 @@ class CpuCapturedDecodeStep(CapturedDecodeStep):
     max_batch_size = MAX_BATCH_SIZE
     takes_short_queries = True  # the cpu attention metadata runs a short query as one decode row per token
 
-    def __init__(self, model: torch.nn.Module, graph):
+    def __init__(self, model: Any, graph: Any):
         self.model = model
         self.graph = graph
 
     def __call__(self, input_ids, positions, attn_metadata) -> Optional[torch.Tensor]:
-        from engine_attention_cpu.plugin import CpuAttentionMetadata
-
         if len(attn_metadata) != 1:
             return None
         metadata = attn_metadata[0]
         if not isinstance(metadata, CpuAttentionMetadata) or not metadata.all_decode:
             return None  # the runner checked the token count; all_decode: every token runs as a decode row
         hidden_states = self.model.model.embed(input_ids).contiguous()
-        return self.graph.run(hidden_states, positions, metadata.slot_mapping, metadata.decode_block_table,
-                              metadata.decode_seq_lens)
+        return self.graph.run(
+            hidden_states, positions, metadata.slot_mapping, metadata.decode_block_table, metadata.decode_seq_lens
+        )
 
 
-def capture_decode_step(kernels, model: torch.nn.Module, attention_layers: dict) -> CpuCapturedDecodeStep:
+def capture_decode_step(kernels: Any, model: Any, attention_layers: dict[str, Any]) -> CpuCapturedDecodeStep:
     """The C++ decode graph of ``model`` over its current KV caches; DecodeCaptureUnsupported with the reason
     where its decode step is not one the graph runs as the eager layers do."""
-    _require(importlib.util.find_spec("engine_attention_cpu._graph") is not None,
-             "the decode graph is not built (pip install --no-build-isolation plugins/attention_cpu)")
+    _require(
+        importlib.util.find_spec("engine_attention_cpu._graph") is not None,
+        "the decode graph is not built (pip install --no-build-isolation plugins/attention_cpu)",
+    )
     _require(get_tp_group().world_size == 1, "tensor-parallel ranks all-reduce between the products")
-    _require(_same_forward(model, LlamaForCausalLM) and isinstance(getattr(model, "model", None), torch.nn.Module)
-             and _same_forward(model.model, LlamaModel),
-             f"{type(model).__name__} is not a Llama-shaped model (Llama, SmolLM2, Mistral, Qwen2)")
+    _require(
+        _same_forward(model, LlamaForCausalLM)
+        and isinstance(getattr(model, "model", None), torch.nn.Module)
+        and _same_forward(model.model, LlamaModel),
+        f"{type(model).__name__} is not a Llama-shaped model (Llama, SmolLM2, Mistral, Qwen2)",
+    )
     decoder = model.model
-    _require(_same_forward(decoder.norm, RMSNorm) and decoder.norm.kernels is kernels,
-             "the final norm is not an RMSNorm on these layer kernels")
+    _require(
+        _same_forward(decoder.norm, RMSNorm) and decoder.norm.kernels is kernels,
+        "the final norm is not an RMSNorm on these layer kernels",
+    )
     _require(len(attention_layers) == len(decoder.layers), "attention layers outside the decoder layers")
     from engine_attention_cpu import _graph
 
@@ -119,16 +144,36 @@ def capture_decode_step(kernels, model: torch.nn.Module, attention_layers: dict)
     for index, layer in enumerate(decoder.layers):
         _check_layer(index, layer, kernels)
         attn, mlp = layer.self_attn, layer.mlp
-        _require(layer.input_layernorm.eps == layer.post_attention_layernorm.eps,
-                 f"layer {index}'s two norms differ in epsilon")
-        products = [product_spec(f"layer {index}'s {name}", module.packed) for name, module in
-                    (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
-                     ("down_proj", mlp.down_proj))]
+        _require(
+            layer.input_layernorm.eps == layer.post_attention_layernorm.eps,
+            f"layer {index}'s two norms differ in epsilon",
+        )
+        products = [
+            product_spec(f"layer {index}'s {name}", module.packed)
+            for name, module in (
+                ("qkv_proj", attn.qkv_proj),
+                ("o_proj", attn.o_proj),
+                ("gate_up_proj", mlp.gate_up_proj),
+                ("down_proj", mlp.down_proj),
+            )
+        ]
         inner = attn.attn
-        graph.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        float(layer.input_layernorm.eps), products, attn.o_proj.bias, mlp.down_proj.bias,
-                        inner.num_heads, inner.num_kv_heads, inner.head_size, float(inner.scale),
-                        float(inner.logits_soft_cap or 0.0), int(inner.sliding_window or 0),
-                        attn.rotary_emb.table.cos, attn.rotary_emb.table.sin, inner.kv_cache)
+        graph.add_layer(
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            float(layer.input_layernorm.eps),
+            products,
+            attn.o_proj.bias,
+            mlp.down_proj.bias,
+            inner.num_heads,
+            inner.num_kv_heads,
+            inner.head_size,
+            float(inner.scale),
+            float(inner.logits_soft_cap or 0.0),
+            int(inner.sliding_window or 0),
+            attn.rotary_emb.table.cos,
+            attn.rotary_emb.table.sin,
+            inner.kv_cache,
+        )
     graph.set_final_norm(decoder.norm.weight, float(decoder.norm.eps))
     return CpuCapturedDecodeStep(model, graph)

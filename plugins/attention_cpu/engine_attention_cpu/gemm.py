@@ -5,6 +5,7 @@ On a 2-core AVX2 machine it runs SmolLM2's shapes at 120-172 GFLOP/s from 16 row
 for oneDNN's packed product (``python scripts/bench_cpu_gemm.py``), and each output row depends only
 on its own input row: a request's logits do not change with the batch it shares a step with.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,9 @@ class CpuPackedLinear:
             self.bias[: self.out_features] = bias.detach().float()
 
         # one C++ call per product (reshape, allocation, dtype; up to 4 rows on the spin pool's threads)
-        self._forward = functools.partial(_gemm.forward, packed=self.panels, bias=self.bias,
-                                          out_features=self.out_features)
+        self._forward = functools.partial(
+            _gemm.forward, packed=self.panels, bias=self.bias, out_features=self.out_features
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)

@@ -6,6 +6,7 @@ torch's products on the model's shapes (``engine.model.layers.product_choice``).
 Inputs the kernels do not take (another device, float64, odd RoPE sizes, 16-bit weights on a CPU
 with native 16-bit GEMMs) go to the native torch ops.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,6 +16,9 @@ import torch
 from engine.interfaces.base import SelectionContext
 from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.layers.product_choice import ProductCandidate
+from engine_attention_cpu.decode_graph import capture_decode_step
+from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
+from engine_attention_cpu.quant import DequantizedGemmProduct, QuantDotProduct, variants
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -32,7 +36,6 @@ class CpuLayerKernels(NativeLayerKernels):
     def __init__(self):
         super().__init__()
         from engine_attention_cpu import _layers
-        from engine_attention_cpu.gemm import cpu_gemm_available
 
         self._ops = _layers
         self._gemm = cpu_gemm_available()
@@ -51,8 +54,6 @@ class CpuLayerKernels(NativeLayerKernels):
         each shape and row bucket another wins only when it is clearly faster (``engine bench kernels``)."""
         candidates = super().product_candidates(dtype)
         if self._gemm:
-            from engine_attention_cpu.gemm import CpuPackedLinear
-
             candidates.insert(0, ProductCandidate("cpu-avx2", lambda w, b: CpuPackedLinear(w, b)))
         return candidates
 
@@ -62,13 +63,12 @@ class CpuLayerKernels(NativeLayerKernels):
         native candidate."""
         if importlib.util.find_spec("engine_attention_cpu._quant") is None:
             return super().quantized_product_candidates(weight_format)
-        from engine_attention_cpu.quant import DequantizedGemmProduct, QuantDotProduct, variants
-
         runnable = [name for name, ok in variants().items() if ok]
         simd = [name for name in runnable if name != "scalar"] or runnable
-        candidates = [ProductCandidate(f"{weight_format}-{variant}",
-                                       lambda w, b, variant=variant: QuantDotProduct(w, b, variant))
-                      for variant in reversed(simd)]
+        candidates = [
+            ProductCandidate(f"{weight_format}-{variant}", lambda w, b, variant=variant: QuantDotProduct(w, b, variant))
+            for variant in reversed(simd)
+        ]
         if self._gemm:
             candidates.append(ProductCandidate(f"{weight_format}-dequant-avx2", DequantizedGemmProduct))
         return candidates
@@ -77,14 +77,10 @@ class CpuLayerKernels(NativeLayerKernels):
         """The AVX2 GEMM for float32 weights on the CPU; oneDNN's product where the CPU lacks AVX2."""
         if not (self._gemm and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2):
             return super().fixed_product(weight, bias)
-        from engine_attention_cpu.gemm import CpuPackedLinear
-
         return CpuPackedLinear(weight, bias)
 
     def capture_decode_step(self, model, attention_layers):
         """The decoder-layer loop of a Llama-shaped model replayed in C++ for pure decode steps (``decode_graph``)."""
-        from engine_attention_cpu.decode_graph import capture_decode_step
-
         return capture_decode_step(self, model, attention_layers)
 
     def rms_norm(self, x, weight, eps):
@@ -101,8 +97,9 @@ class CpuLayerKernels(NativeLayerKernels):
         if not (_cpu_rows(x) and x.shape == residual.shape and x.dtype == residual.dtype):
             return super().fused_add_rms_norm(x, residual, weight, eps)
         x, residual = x.contiguous(), residual.contiguous()
-        self._ops.fused_add_rms_norm(x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]),
-                                     weight.float().contiguous(), float(eps))
+        self._ops.fused_add_rms_norm(
+            x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]), weight.float().contiguous(), float(eps)
+        )
         return x, residual
 
     def silu_and_mul(self, x):
@@ -116,8 +113,15 @@ class CpuLayerKernels(NativeLayerKernels):
         return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
     def rotary_embedding(self, positions, query, key, cos, sin, head_size):
-        fits = (_cpu_rows(query) and query.dtype == key.dtype and query.dim() == 2 and key.dim() == 2
-                and query.stride(-1) == 1 and key.stride(-1) == 1 and cos.device.type == "cpu")
+        fits = (
+            _cpu_rows(query)
+            and query.dtype == key.dtype
+            and query.dim() == 2
+            and key.dim() == 2
+            and query.stride(-1) == 1
+            and key.stride(-1) == 1
+            and cos.device.type == "cpu"
+        )
         if not fits:
             return super().rotary_embedding(positions, query, key, cos, sin, head_size)
         self._ops.rotary_embedding(positions.to(torch.int64).contiguous(), query, key, cos, sin, head_size)

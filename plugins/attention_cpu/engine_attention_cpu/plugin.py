@@ -1,138 +1,19 @@
-"""The ``cpu`` attention backend: decode tokens through a C++ kernel that reads the paged KV cache in
-place (no gathered copy, no padding to the longest request), prompt chunks through torch's SDPA.
+"""The ``cpu`` plugins: the paged attention backend (``attention``) and the layer kernels (``layer_kernels``,
+with their linear and quantized products and the captured decode step), each kind in its own module; this
+module only registers them.
 
-The kernel (``csrc/paged_attention.cpp``) is compiled when this distribution is installed
-(``pip install --no-build-isolation plugins/attention_cpu``); without it the backend reports itself
-unavailable and ``auto`` falls back to ``torch``.
+The C++ kernels are compiled when this distribution is installed
+(``pip install --no-build-isolation plugins/attention_cpu``); without them each reports itself unavailable and
+``auto`` falls back to the core's ``torch`` backend and ``native`` kernels.
 """
+
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
-from typing import Optional
-
-import numpy as np
-import torch
-
 from engine import hookimpl
-from engine.attention.torch_backend import PrefillChunk, TorchAttentionImpl, TorchAttentionMetadataBuilder
-from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
+from engine_attention_cpu.attention import CpuAttentionBackend
+from engine_attention_cpu.layer_kernels import CpuLayerKernels
 
 ENGINE_CONTRACT_VERSION = "1.6"
-
-
-@dataclass
-class CpuAttentionMetadata:
-    num_actual_tokens: int
-    slot_mapping: torch.Tensor
-    decode_token_indices: Optional[torch.Tensor]  # [Bd] int64; None when the step has no decode token
-    decode_block_table: Optional[torch.Tensor]  # [Bd, max_blocks] int32, contiguous
-    decode_seq_lens: Optional[torch.Tensor]  # [Bd] int32
-    all_decode: bool  # every token of the step is a decode token (no gather / scatter needed)
-    prefills: list[PrefillChunk]
-
-
-# a request continuing its context with at most this many query tokens (speculative decoding's verification of
-# drafts) attends through the paged decode kernel, one decode row per token, each seeing its causal prefix
-MAX_DECODE_LIKE_QUERY = 16
-
-
-def split_decode_like(common: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
-    """Rows with one query token or a few past a computed context (decode kernel), and the other rows."""
-    query_lens = np.diff(common.query_start_loc_np)
-    decode_like = (query_lens == 1) | ((query_lens <= MAX_DECODE_LIKE_QUERY) & (common.num_computed_tokens_np > 0))
-    return np.nonzero(decode_like)[0], np.nonzero(~decode_like)[0]
-
-
-class CpuAttentionMetadataBuilder(TorchAttentionMetadataBuilder):
-    def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
-        decode_rows, prefill_rows = split_decode_like(common)
-        indices = table = lens = None
-        all_decode = len(prefill_rows) == 0
-        if len(decode_rows):
-            query_lens = np.diff(common.query_start_loc_np)[decode_rows]
-            if (query_lens == 1).all():
-                if all_decode:
-                    table, lens = common.block_table, common.seq_lens
-                else:
-                    rows = torch.from_numpy(decode_rows)
-                    table, lens = common.block_table[rows].contiguous(), common.seq_lens[rows].contiguous()
-                indices = torch.from_numpy(common.query_start_loc_np[decode_rows].astype(np.int64))
-            else:  # one decode row per query token: token j of a row sees the context and the row's tokens up to j
-                starts = common.query_start_loc_np[decode_rows]
-                offsets = np.arange(int(query_lens.sum())) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
-                token_lens = np.repeat(common.seq_lens_np[decode_rows] - query_lens, query_lens) + offsets + 1
-                table = common.block_table[torch.from_numpy(np.repeat(decode_rows, query_lens))]
-                lens = torch.from_numpy(token_lens.astype(np.int32))
-                indices = torch.from_numpy((np.repeat(starts, query_lens) + offsets).astype(np.int64))
-        return CpuAttentionMetadata(common.num_actual_tokens, common.slot_mapping.to(torch.int64).contiguous(),
-                                    indices,
-                                    table if table is None else table.to(torch.int32).contiguous(),
-                                    lens if lens is None else lens.to(torch.int32).contiguous(),
-                                    all_decode, self.build_prefills(common, prefill_rows))
-
-
-class CpuAttentionImpl(TorchAttentionImpl):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        from engine_attention_cpu import _C
-
-        self._decode = _C.paged_decode_attention
-        self._write_kv = _C.write_kv_cache
-
-    def forward(self, query, key, value, kv_cache, attn_metadata: CpuAttentionMetadata):
-        num_tokens = attn_metadata.num_actual_tokens
-        head = self.head_size
-        q, k, v = self.split_heads(query, key, value, num_tokens)
-        # head-major blocks [blocks, Hkv, block_size, D], seen token-major as [blocks, block_size, Hkv, D]
-        key_cache, value_cache = kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
-        self._write_kv(key_cache, value_cache, k, v, attn_metadata.slot_mapping)
-        output = torch.empty(num_tokens, self.num_heads, head, dtype=query.dtype)
-        if attn_metadata.decode_token_indices is not None:
-            soft_cap = float(self.logits_soft_cap or 0.0)
-            window = int(self.sliding_window or 0)
-            if attn_metadata.all_decode:
-                self._decode(output, q.contiguous(), key_cache, value_cache, attn_metadata.decode_block_table,
-                             attn_metadata.decode_seq_lens, self.scale, soft_cap, window)
-            else:
-                idx = attn_metadata.decode_token_indices
-                decoded = torch.empty(len(idx), self.num_heads, head, dtype=query.dtype)
-                self._decode(decoded, q[idx], key_cache, value_cache, attn_metadata.decode_block_table,
-                             attn_metadata.decode_seq_lens, self.scale, soft_cap, window)
-                output[idx] = decoded
-        self.attend_prefills(q, k, v, kv_cache[0], kv_cache[1], attn_metadata.prefills, output)
-        return output.view(num_tokens, self.num_heads * head)
-
-    def gather_context(self, cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """cache [blocks, Hkv, block_size, D] -> [Hkv, seq_len, D]."""
-        return cache[block_ids].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
-
-
-class CpuAttentionBackend(AttentionBackend):
-    """Paged attention for CPUs; ``auto`` prefers it over ``torch`` whenever its kernel is built."""
-
-    name = "cpu"
-    priority = 10
-    supported_devices = ("cpu",)
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """K and V with each (block, KV head) contiguous: a decode walks one head's rows without strides."""
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
-
-    @classmethod
-    def library_reasons(cls) -> list[str]:
-        if importlib.util.find_spec("engine_attention_cpu._C") is None:
-            return ["its C++ kernel is not built (pip install --no-build-isolation plugins/attention_cpu)"]
-        return []
-
-    @staticmethod
-    def get_impl_cls():
-        return CpuAttentionImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return CpuAttentionMetadataBuilder
 
 
 @hookimpl
@@ -142,6 +23,4 @@ def engine_attention_backends():
 
 @hookimpl
 def engine_layer_kernels():
-    from engine_attention_cpu.layer_kernels import CpuLayerKernels
-
     return [CpuLayerKernels]

@@ -8,6 +8,7 @@
 
 Which one runs at which row count is measured at load (``engine.model.layers.product_choice``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from engine.quantization.formats import FORMATS, QuantizedWeight
+from engine.model.quant_formats import FORMATS, QuantizedWeight
+from engine_attention_cpu.gemm import PANEL
 
 FORMAT_IDS = {name: index for index, name in enumerate(FORMATS)}  # the C++ enum's order
 
@@ -54,9 +56,15 @@ class QuantDotProduct:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         # one C++ call per product (reshape, allocation and dtype in C++): a decode step makes 120 of them
-        self._forward = functools.partial(_ops().forward, data=weight.data, scales=weight.scales,
-                                          format=self.format_id, variant=self.variant_id, bias=self.bias,
-                                          out_features=self.out_features)
+        self._forward = functools.partial(
+            _ops().forward,
+            data=weight.data,
+            scales=weight.scales,
+            format=self.format_id,
+            variant=self.variant_id,
+            bias=self.bias,
+            out_features=self.out_features,
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)
@@ -68,7 +76,6 @@ class DequantizedGemmProduct:
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor]):
         from engine_attention_cpu import _gemm
-        from engine_attention_cpu.gemm import PANEL
 
         self._ops, self._gemm = _ops(), _gemm
         self.weight = weight

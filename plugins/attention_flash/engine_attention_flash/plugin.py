@@ -3,6 +3,7 @@
 flash-attn's paged mode (``block_table``) needs pages of a multiple of 256 tokens, so this backend
 declares block sizes 256 and 512; it runs float16 / bfloat16 on CUDA. flash-attn is imported lazily.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +14,12 @@ import torch
 from engine import hookimpl
 from engine.attention.cuda_reasons import cuda_library_reasons
 from engine.attention.paged_cache import write_to_paged_cache
-from engine.interfaces.attention import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
-                                         CommonAttentionMetadata)
+from engine.interfaces.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 
 ENGINE_CONTRACT_VERSION = "1.0"
 
@@ -35,9 +40,14 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         cu_k = np.concatenate([[0], np.cumsum(common.seq_lens_np)]).astype(np.int32)
         device = self.device
         return FlashAttentionMetadata(
-            common.num_actual_tokens, common.slot_mapping.to(device), common.query_start_loc.to(device),
-            torch.from_numpy(cu_k).to(device), common.max_query_len, common.max_seq_len,
-            common.block_table.to(device))
+            common.num_actual_tokens,
+            common.slot_mapping.to(device),
+            common.query_start_loc.to(device),
+            torch.from_numpy(cu_k).to(device),
+            common.max_query_len,
+            common.max_seq_len,
+            common.block_table.to(device),
+        )
 
 
 class FlashAttentionImpl(AttentionImpl):
@@ -46,13 +56,27 @@ class FlashAttentionImpl(AttentionImpl):
 
         tokens = attn_metadata.num_actual_tokens
         q = query.view(tokens, self.num_heads, self.head_size)
-        write_to_paged_cache(key.view(tokens, self.num_kv_heads, self.head_size),
-                             value.view(tokens, self.num_kv_heads, self.head_size), kv_cache, attn_metadata.slot_mapping)
+        write_to_paged_cache(
+            key.view(tokens, self.num_kv_heads, self.head_size),
+            value.view(tokens, self.num_kv_heads, self.head_size),
+            kv_cache,
+            attn_metadata.slot_mapping,
+        )
         window = (self.sliding_window - 1, 0) if self.sliding_window else (-1, -1)
         out = flash_attn_varlen_func(
-            q, kv_cache[0], kv_cache[1], attn_metadata.cu_seqlens_q, attn_metadata.cu_seqlens_k,
-            attn_metadata.max_seqlen_q, attn_metadata.max_seqlen_k, softmax_scale=self.scale, causal=True,
-            window_size=window, softcap=self.logits_soft_cap or 0.0, block_table=attn_metadata.block_table)
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            attn_metadata.cu_seqlens_q,
+            attn_metadata.cu_seqlens_k,
+            attn_metadata.max_seqlen_q,
+            attn_metadata.max_seqlen_k,
+            softmax_scale=self.scale,
+            causal=True,
+            window_size=window,
+            softcap=self.logits_soft_cap or 0.0,
+            block_table=attn_metadata.block_table,
+        )
         return out.reshape(tokens, self.num_heads * self.head_size)
 
 

@@ -5,6 +5,7 @@ One attention program handles one (query token, query head): it walks the token'
 table up to the token's own position with an online softmax. Import this module only after
 ``TRITON_INTERPRET`` is settled (the plugin sets it on CPU devices).
 """
+
 from __future__ import annotations
 
 import triton
@@ -12,10 +13,23 @@ import triton.language as tl
 
 
 @triton.jit
-def reshape_and_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                             stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-                             stride_c_b, stride_c_s, stride_c_h,
-                             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_c_b,
+    stride_c_s,
+    stride_c_h,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -31,12 +45,32 @@ def reshape_and_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr,
 
 
 @triton.jit
-def paged_attention_kernel(out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr,
-                           token_request_ptr, token_position_ptr, scale, soft_cap, sliding_window,
-                           stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-                           stride_c_b, stride_c_s, stride_c_h, stride_bt_r,
-                           QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr):
+def paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    token_request_ptr,
+    token_position_ptr,
+    scale,
+    soft_cap,
+    sliding_window,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_c_b,
+    stride_c_s,
+    stride_c_h,
+    stride_bt_r,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
     token = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // QUERIES_PER_KV

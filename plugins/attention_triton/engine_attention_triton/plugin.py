@@ -3,6 +3,7 @@
 On CUDA the kernels compile; on the CPU they run under the Triton interpreter (``TRITON_INTERPRET=1``,
 set by this plugin for CPU devices): exact but slow, for testing. ``auto`` picks it only on CUDA.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,12 @@ import numpy as np
 import torch
 
 from engine import hookimpl
-from engine.interfaces.attention import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
-                                         CommonAttentionMetadata)
+from engine.interfaces.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 
 ENGINE_CONTRACT_VERSION = "1.0"
 
@@ -49,11 +54,19 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         query_lens = np.diff(common.query_start_loc_np)
         token_request = np.repeat(np.arange(common.num_reqs, dtype=np.int32), query_lens)
-        token_position = (np.arange(common.num_actual_tokens) - np.repeat(common.query_start_loc_np[:-1], query_lens)
-                          + np.repeat(common.num_computed_tokens_np, query_lens)).astype(np.int32)
+        token_position = (
+            np.arange(common.num_actual_tokens)
+            - np.repeat(common.query_start_loc_np[:-1], query_lens)
+            + np.repeat(common.num_computed_tokens_np, query_lens)
+        ).astype(np.int32)
         to = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
-        return TritonAttentionMetadata(common.num_actual_tokens, common.slot_mapping.to(self.device),
-                                       common.block_table.to(self.device), to(token_request), to(token_position))
+        return TritonAttentionMetadata(
+            common.num_actual_tokens,
+            common.slot_mapping.to(self.device),
+            common.block_table.to(self.device),
+            to(token_request),
+            to(token_position),
+        )
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -75,18 +88,49 @@ class TritonAttentionImpl(AttentionImpl):
         block_d = triton.next_power_of_2(head)
         block_size = key_cache.shape[1]
         self.kernels.reshape_and_cache_kernel[(tokens, kv_heads)](
-            k, v, key_cache, value_cache, attn_metadata.slot_mapping,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            BLOCK_SIZE=block_size, HEAD_DIM=head, BLOCK_D=block_d)
+            k,
+            v,
+            key_cache,
+            value_cache,
+            attn_metadata.slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head,
+            BLOCK_D=block_d,
+        )
         output = torch.empty_like(q)
         self.kernels.paged_attention_kernel[(tokens, self.num_heads)](
-            output, q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.token_request,
-            attn_metadata.token_position, self.scale, float(self.logits_soft_cap or 0.0), int(self.sliding_window or 0),
-            q.stride(0), q.stride(1), output.stride(0), output.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), attn_metadata.block_table.stride(0),
-            QUERIES_PER_KV=self.num_heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head, BLOCK_D=block_d,
-            USE_SOFT_CAP=self.logits_soft_cap is not None, USE_WINDOW=self.sliding_window is not None)
+            output,
+            q,
+            key_cache,
+            value_cache,
+            attn_metadata.block_table,
+            attn_metadata.token_request,
+            attn_metadata.token_position,
+            self.scale,
+            float(self.logits_soft_cap or 0.0),
+            int(self.sliding_window or 0),
+            q.stride(0),
+            q.stride(1),
+            output.stride(0),
+            output.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            attn_metadata.block_table.stride(0),
+            QUERIES_PER_KV=self.num_heads // kv_heads,
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head,
+            BLOCK_D=block_d,
+            USE_SOFT_CAP=self.logits_soft_cap is not None,
+            USE_WINDOW=self.sliding_window is not None,
+        )
         return output.view(tokens, self.num_heads * head)
 
 
@@ -108,8 +152,10 @@ class TritonAttentionBackend(AttentionBackend):
     def unavailable_reasons(cls, ctx) -> list[str]:
         reasons = super().unavailable_reasons(ctx)
         if not reasons and ctx.device == "cpu" and _imported_without_interpreter():
-            reasons.append("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
-                           "on the CPU in this process; export TRITON_INTERPRET=1 before starting Python")
+            reasons.append(
+                "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+                "on the CPU in this process; export TRITON_INTERPRET=1 before starting Python"
+            )
         return reasons
 
     @classmethod

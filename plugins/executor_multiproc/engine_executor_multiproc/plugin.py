@@ -6,6 +6,7 @@ not wait for each other: a reader thread collects every rank's answers, call aft
 core can keep one step per pipeline stage in flight. A worker that dies fails the pending calls with
 EngineDeadError within a poll interval, and shutdown leaves no process behind.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,7 @@ from typing import Any, Optional
 from engine import hookimpl
 from engine.errors import EngineDeadError
 from engine.interfaces.executor import Executor
-from engine.runtime.lifetime import describe_exit, start_process, use_thread_lock_for_progress_bars, watch_parent
+from engine.lifetime import describe_exit, start_process, use_thread_lock_for_progress_bars, watch_parent
 
 ENGINE_CONTRACT_VERSION = "1.0"
 logger = logging.getLogger(__name__)
@@ -37,14 +38,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker_main(vllm_config, plugin_choices: dict, rank: int, init_method: str, conn, log_level: int,
-                parent_pid: int) -> None:
+def worker_main(
+    vllm_config, plugin_choices: dict, rank: int, init_method: str, conn, log_level: int, parent_pid: int
+) -> None:
     """A worker process: build the Worker, then serve calls until told to stop or the parent goes (it is
     watched from the first instant, so a parent killed while this worker loads takes it along)."""
     watch_parent(parent_pid, f"worker rank {rank}")
     use_thread_lock_for_progress_bars()
-    logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=log_level, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     from engine.worker.worker import Worker
 
     try:
@@ -84,9 +87,20 @@ class MultiprocExecutor(Executor):
         self.dead: Optional[str] = None
         for rank in range(world):
             parent_conn, child_conn = spawn.Pipe()
-            proc = spawn.Process(target=worker_main, name=f"EngineWorker-{rank}", daemon=True,
-                                 args=(self.vllm_config, self.plugin_choices, rank, init_method, child_conn,
-                                       logging.getLogger().getEffectiveLevel(), os.getpid()))
+            proc = spawn.Process(
+                target=worker_main,
+                name=f"EngineWorker-{rank}",
+                daemon=True,
+                args=(
+                    self.vllm_config,
+                    self.plugin_choices,
+                    rank,
+                    init_method,
+                    child_conn,
+                    logging.getLogger().getEffectiveLevel(),
+                    os.getpid(),
+                ),
+            )
             start_process(proc)  # the child does not re-run the user's main script
             child_conn.close()
             self.workers.append(proc)
@@ -126,8 +140,9 @@ class MultiprocExecutor(Executor):
         by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self.workers)}
         while len(results) < len(self.conns):
             pending = [conn for conn, rank in by_conn.items() if rank not in results]
-            ready = wait(pending + [proc.sentinel for rank, proc in enumerate(self.workers) if rank not in results],
-                         _POLL_S)
+            ready: list[Any] = wait(
+                pending + [proc.sentinel for rank, proc in enumerate(self.workers) if rank not in results], _POLL_S
+            )
             for item in ready:
                 if item in by_sentinel:
                     rank = by_sentinel[item]
@@ -183,9 +198,10 @@ class MultiprocExecutor(Executor):
                 raise self._fail(f"worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc)})")
 
     def shutdown(self) -> None:
-        if getattr(self, "reader", None) is not None:
+        reader = getattr(self, "reader", None)
+        if reader is not None:
             self.pending_calls.put(None)
-            self.reader.join(5)  # it returns once the calls sent before are answered (or the workers die)
+            reader.join(5)  # it returns once the calls sent before are answered (or the workers die)
             self.reader = None
         for conn in getattr(self, "conns", []):
             try:

@@ -8,6 +8,7 @@ fails or dies (a killed actor, a lost node) fails the step with EngineDeadError 
 killed (they may be waiting in a collective for the dead one), so nothing hangs. Calls do not wait for each
 other (each actor runs them in order), so the engine core keeps one step per pipeline stage in flight.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 from engine import hookimpl
+from engine.distributed.ray_placement import RayPlacement
 from engine.errors import EngineDeadError
 from engine.interfaces.executor import Executor
 
@@ -24,7 +26,6 @@ ENGINE_CONTRACT_VERSION = "1.0"
 logger = logging.getLogger(__name__)
 _POLL_S = 0.1
 _STARTUP_TIMEOUT_S = 600
-_PLACEMENT_TIMEOUT_S = 60
 _HEALTH_TIMEOUT_S = 10
 
 
@@ -53,8 +54,13 @@ class RayWorkerWrapper:
         from engine.worker.worker import Worker
 
         gpu_ids = ray.get_gpu_ids()  # Ray shows each actor its own GPU(s) only: device index 0
-        self.worker = Worker(vllm_config, plugin_choices, rank=rank, distributed_init_method=init_method,
-                             device_index=0 if gpu_ids else None)
+        self.worker = Worker(
+            vllm_config,
+            plugin_choices,
+            rank=rank,
+            distributed_init_method=init_method,
+            device_index=0 if gpu_ids else None,
+        )
         self.worker.init_device()
         self.worker.load_model()
 
@@ -74,9 +80,10 @@ def _actor_class(num_cpus: float, num_gpus: float):
     """The wrapper as a Ray actor class; ``ping`` has its own thread, so health checks do not queue behind a step."""
     import ray
 
-    cls = type("RayWorkerWrapper", (RayWorkerWrapper,), {
-        "ping": ray.method(concurrency_group="health")(RayWorkerWrapper.ping)})
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups={"health": 1})(cls)
+    cls = type(
+        "RayWorkerWrapper", (RayWorkerWrapper,), {"ping": ray.method(concurrency_group="health")(RayWorkerWrapper.ping)}
+    )
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups={"health": 1})(cls)  # type: ignore[call-overload]  # ray's stubs lack concurrency_groups
 
 
 class RayExecutor(Executor):
@@ -92,31 +99,20 @@ class RayExecutor(Executor):
         return []
 
     def _init_executor(self) -> None:
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         parallel, device = self.vllm_config.parallel, self.vllm_config.device
         world = parallel.world_size
         self.dead: Optional[str] = None
         self.waiter = ThreadPoolExecutor(1, thread_name_prefix="ray-answers")  # resolves calls in order
-        self.workers: list = []
-        self.placement_group = None
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            ray.init(address=parallel.ray_address, include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
-        use_gpu = device.device == "cuda" or (device.device == "auto" and ray.cluster_resources().get("GPU", 0) >= world)
-        cpus = float(device.num_threads or 1)
-        bundle = {"CPU": cpus, **({"GPU": 1.0} if use_gpu else {})}
+        self.workers: list[Any] = []
+        self.placement = RayPlacement(parallel.ray_address, "parallel.executor=ray")
+        ray = self.placement.ray
         try:
-            self.placement_group = placement_group([bundle] * world, strategy="PACK")
-            if not ray.wait([self.placement_group.ready()], timeout=_PLACEMENT_TIMEOUT_S)[0]:
-                raise RuntimeError(f"the Ray cluster cannot place {world} workers of {bundle} within "
-                                   f"{_PLACEMENT_TIMEOUT_S}s (resources: {ray.cluster_resources()})")
+            use_gpu = self.placement.wants_gpus(device.device, world)
+            cpus = float(device.num_threads or 1)
+            bundle = {"CPU": cpus, **({"GPU": 1.0} if use_gpu else {})}
+            self.placement.place(bundle, world, "workers")
             actor_cls = _actor_class(cpus, 1.0 if use_gpu else 0.0)
-            actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=index)).remote() for index in range(world)]
+            actors = [actor_cls.options(scheduling_strategy=self.placement.strategy(i)).remote() for i in range(world)]
             placements = ray.get([actor.placement.remote() for actor in actors], timeout=_STARTUP_TIMEOUT_S)
             driver_node = ray.get_runtime_context().get_node_id()
             order = sorted(range(world), key=lambda i: (placements[i][0] != driver_node, placements[i][0]))
@@ -124,12 +120,15 @@ class RayExecutor(Executor):
             self.worker_node_ids = [placements[i][0] for i in order]
             port = ray.get(self.workers[0].free_port.remote())
             init_method = f"tcp://{placements[order[0]][1]}:{port}"
-            self._gather([worker.init_worker.remote(self.vllm_config, self.plugin_choices, rank, init_method)
-                          for rank, worker in enumerate(self.workers)], _STARTUP_TIMEOUT_S)
+            self._gather(
+                [
+                    worker.init_worker.remote(self.vllm_config, self.plugin_choices, rank, init_method)
+                    for rank, worker in enumerate(self.workers)
+                ],
+                _STARTUP_TIMEOUT_S,
+            )
         except BaseException:
             self.shutdown()
-            if self.placement_group is not None:
-                remove_placement_group(self.placement_group)
             raise
         logger.info("ray executor: %d workers on %d node(s)", world, len(set(self.worker_node_ids)))
 
@@ -148,8 +147,7 @@ class RayExecutor(Executor):
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as exc:
-                    raise self._fail(f"worker rank {rank} failed: {type(exc).__name__}: {_first_line(exc)}") \
-                        from None
+                    raise self._fail(f"worker rank {rank} failed: {type(exc).__name__}: {_first_line(exc)}") from None
             if deadline is not None and time.monotonic() > deadline:
                 raise self._fail(f"workers did not answer within {timeout}s")
         return [results[rank] for rank in range(len(refs))]
@@ -188,8 +186,8 @@ class RayExecutor(Executor):
         for worker in self.workers:
             try:
                 ray.kill(worker)
-            except Exception:
-                pass
+            except Exception as exc:  # already gone with its node
+                logger.debug("worker actor not killed: %s", exc)
 
     def shutdown(self) -> None:
         import ray
@@ -204,16 +202,7 @@ class RayExecutor(Executor):
         self._kill_workers()
         self.workers = []
         self.waiter.shutdown(wait=False, cancel_futures=True)  # calls in flight fail: their actors are gone
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:
-                pass
-            self.placement_group = None
-        if self.started_ray:
-            ray.shutdown()
+        self.placement.release()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,4 +1,5 @@
 """UniProcExecutor: one worker, in the engine-core process, called directly."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -20,8 +21,10 @@ class UniProcExecutor(Executor):
     def unavailable_reasons(cls, ctx) -> list[str]:
         parallel = ctx.config.parallel
         if parallel.world_size != 1:
-            return [f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
-                    f"{parallel.pipeline_parallel_size} needs one process per rank; uniproc runs one"]
+            return [
+                f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size} needs one process per rank; uniproc runs one"
+            ]
         return []
 
     def _init_executor(self) -> None:

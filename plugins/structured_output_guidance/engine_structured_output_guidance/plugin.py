@@ -1,6 +1,7 @@
 """The guidance structured-output backend: constraints become llguidance grammars (JSON schema, regex, Lark —
 a GBNF/EBNF grammar is converted to Lark — and choice); each request gets an LLMatcher that fills the token
 bitmask."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,8 +26,10 @@ def closed_objects(schema: Any) -> Any:
         return [closed_objects(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {key: value if key in ("enum", "const", "default", "examples") else closed_objects(value)
-              for key, value in schema.items()}
+    closed = {
+        key: value if key in ("enum", "const", "default", "examples") else closed_objects(value)
+        for key, value in schema.items()
+    }
     if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
@@ -34,13 +37,14 @@ def closed_objects(schema: Any) -> Any:
 
 def guidance_grammar(params) -> str:
     """The llguidance grammar (serialized) of a constraint; never raises, ``validate_grammar`` checks it."""
-    from llguidance import LLMatcher, gbnf_to_lark
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
     if params.kind == "json":
         schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-        return LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     if params.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     if params.kind == "regex":
         return LLMatcher.grammar_from_regex(params.regex)
     if params.kind == "choice":
@@ -72,7 +76,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
         self.matcher.rollback(num_tokens)
 
     def validate_tokens(self, token_ids: list[int]) -> list[int]:
-        return token_ids[:self.matcher.validate_tokens(token_ids)]  # llguidance checks without advancing
+        return token_ids[: self.matcher.validate_tokens(token_ids)]  # llguidance checks without advancing
 
 
 class GuidanceBackend(StructuredOutputBackend):
@@ -98,8 +102,9 @@ class GuidanceBackend(StructuredOutputBackend):
         except Exception as exc:
             error = str(exc)
         if error and not error.startswith("WARNING"):
-            raise ValueError(f"the guidance structured-output backend cannot compile this {params.kind} "
-                             f"constraint: {error.strip()}")
+            raise ValueError(
+                f"the guidance structured-output backend cannot compile this {params.kind} constraint: {error.strip()}"
+            )
 
     def __init__(self, vllm_config, tokenizer, vocab_size, eos_token_id):
         import llguidance.hf

@@ -1,5 +1,6 @@
 """The xgrammar structured-output backend: JSON schema, regex, EBNF grammar and choice constraints compiled with
 xgrammar against the model's tokenizer; each request gets a GrammarMatcher that fills the token bitmask."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,9 +15,21 @@ from engine.interfaces.structured_output import StructuredOutputBackend, Structu
 ENGINE_CONTRACT_VERSION = "1.7"
 
 # JSON-schema keywords xgrammar accepts but does not enforce: refused (400) rather than served unenforced
-UNENFORCED_JSON_KEYWORDS = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains",
-                            "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas",
-                            "if", "then", "else", "not")
+UNENFORCED_JSON_KEYWORDS = (
+    "multipleOf",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "patternProperties",
+    "propertyNames",
+    "dependentRequired",
+    "dependentSchemas",
+    "if",
+    "then",
+    "else",
+    "not",
+)
 
 
 def unenforced_keywords(schema: Any) -> list[str]:
@@ -87,9 +100,11 @@ class XgrammarBackend(StructuredOutputBackend):
                 schema = json_schema(params)
                 unenforced = unenforced_keywords(schema)
                 if unenforced:
-                    raise ValueError(f"the xgrammar structured-output backend does not enforce the JSON-schema "
-                                     f"keywords {unenforced}; remove them or serve with "
-                                     "structured_outputs.backend=guidance")
+                    raise ValueError(
+                        f"the xgrammar structured-output backend does not enforce the JSON-schema "
+                        f"keywords {unenforced}; remove them or serve with "
+                        "structured_outputs.backend=guidance"
+                    )
                 xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
             elif params.kind == "regex":
                 xgrammar.Grammar.from_regex(params.regex)
@@ -98,15 +113,18 @@ class XgrammarBackend(StructuredOutputBackend):
         except ValueError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError (and its own errors) for what it cannot parse
-            raise ValueError(f"the xgrammar structured-output backend cannot compile this {params.kind} "
-                             f"constraint: {str(exc).strip()}") from None
+            raise ValueError(
+                f"the xgrammar structured-output backend cannot compile this {params.kind} "
+                f"constraint: {str(exc).strip()}"
+            ) from None
 
     def __init__(self, vllm_config, tokenizer, vocab_size, eos_token_id):
         import xgrammar
 
         super().__init__(vllm_config, tokenizer, vocab_size, eos_token_id)
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=[eos_token_id] if eos_token_id is not None else None)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=[eos_token_id] if eos_token_id is not None else None
+        )
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
 
     def compile_grammar(self, params) -> Any:

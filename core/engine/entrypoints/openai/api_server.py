@@ -4,13 +4,13 @@ The endpoints live in ``routers/`` (completions, chat, models and tokenizer, hea
 they share — the engine, prompt preparation, generation and draining — in ``serving.OpenAIServing``;
 the SSE helper both generation endpoints use in ``streaming``; errors as OpenAI bodies in ``errors``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
 import socket
-import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -46,7 +46,7 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
     api_key = config.server.api_key or os.environ.get("ENGINE_API_KEY")
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(RequestGuardMiddleware, max_body_bytes=config.server.max_request_body_bytes)
+    app.add_middleware(RequestGuardMiddleware, max_body_bytes=int(config.server.max_request_body_bytes))
     install_exception_handlers(app)
     for router in (health.router, models.router, completions.router, chat.router):
         app.include_router(router)
@@ -56,8 +56,12 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
 async def _load_engine(app: FastAPI, serving: OpenAIServing) -> None:
     try:
         await asyncio.to_thread(serving.load_engine)
-        logger.info("engine ready: serving %r at http://%s:%d/v1", serving.model_name, serving.config.server.host,
-                    serving.config.server.port)
+        logger.info(
+            "engine ready: serving %r at http://%s:%d/v1",
+            serving.model_name,
+            serving.config.server.host,
+            serving.config.server.port,
+        )
     except BaseException as exc:
         serving.load_error = f"{type(exc).__name__}: {exc}"
         if not serving.cancel_start.is_set():
@@ -66,42 +70,6 @@ async def _load_engine(app: FastAPI, serving: OpenAIServing) -> None:
             if server is not None:  # `engine serve` exits non-zero instead of answering 503 forever
                 app.state.exit_code = 1
                 server.should_exit = True
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything else starts (OSError when the address is taken)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
-def run_server(config: VllmConfig) -> int:
-    """Serve until SIGINT / SIGTERM (uvicorn); the exit status: 0, or 1 when the server could not start.
-
-    With ``server.api_server_count`` > 1 this process only launches: the engine cores, the DP coordinator and
-    that many API-server processes sharing the listening socket (``entrypoints.openai.launcher``)."""
-    host, port = config.server.host, config.server.port
-    try:
-        sock = bind_socket(host, port)
-    except OSError as exc:
-        print(f"engine serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    try:
-        if config.server.api_server_count > 1:
-            from engine.entrypoints.openai.launcher import run_api_servers
-
-            return run_api_servers(config, sock)
-        logger.info("starting the API server on http://%s:%d (engine loading)", host, port)
-        return serve_on_socket(config, sock)
-    finally:
-        sock.close()
 
 
 def serve_on_socket(config: VllmConfig, sock: socket.socket, remote=None) -> int:
@@ -117,7 +85,8 @@ def serve_on_socket(config: VllmConfig, sock: socket.socket, remote=None) -> int
             serving.begin_drain(max(0.0, grace - 1.0))  # streams end with an error event before the cut
             super().handle_exit(sig, frame)
 
-    server = EngineServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
+    # uvicorn's annotation says int; it waits with asyncio, so a fractional grace period works as given
+    server = EngineServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))  # type: ignore[arg-type]
     app.state.server = server
     server.run(sockets=[sock])
     return app.state.exit_code  # the failure itself was logged in one line ("engine failed to start: ...")

@@ -1,4 +1,5 @@
 """Errors as OpenAI error bodies: ``{"error": {"message", "type", "param", "code"}}``, never plain text."""
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,14 @@ from engine.errors import EngineDeadError, EngineGenerateError
 
 logger = logging.getLogger("engine.server")
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
-               499: "ClientClosedRequest", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    499: "ClientClosedRequest",
+    503: "ServiceUnavailableError",
+}
 
 
 class APIError(Exception):
@@ -27,7 +34,7 @@ class APIError(Exception):
         self.err_type = err_type or ERROR_TYPES.get(status, "InternalServerError")
 
     @classmethod
-    def from_exception(cls, exc: BaseException, request_id: str = "?") -> "APIError":
+    def from_exception(cls, exc: BaseException, request_id: str = "?") -> APIError:
         """What a failure means to a client: bad input (400, with its ``param``), a dead engine (503), a request
         that failed inside the engine (500) or an internal error (500, logged with its traceback)."""
         if isinstance(exc, APIError):
@@ -40,7 +47,9 @@ class APIError(Exception):
             logger.error("request %s failed: %s", request_id, exc)
             return cls(str(exc), 500, err_type="EngineGenerateError")
         logger.error("request %s failed", request_id, exc_info=exc)
-        return cls(f"internal error ({type(exc).__name__}); request id {request_id}", 500, err_type="InternalServerError")
+        return cls(
+            f"internal error ({type(exc).__name__}); request id {request_id}", 500, err_type="InternalServerError"
+        )
 
     def body(self) -> dict:
         return error_body(str(self), self.err_type, self.param, self.status)
@@ -60,11 +69,14 @@ def install_exception_handlers(app: FastAPI) -> None:
     async def validation_error(_, exc: RequestValidationError):
         first = exc.errors()[0]
         if first.get("type") == "json_invalid":
-            return APIError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}").response()
+            return APIError(
+                f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+            ).response()
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         if first.get("type") == "extra_forbidden":
-            return APIError(f"unknown field '{param}': not a parameter of this endpoint on this server", 400,
-                            param).response()
+            return APIError(
+                f"unknown field '{param}': not a parameter of this endpoint on this server", 400, param
+            ).response()
         detail = f"{first['msg']} (got {first['input']!r})" if first.get("type") == "literal_error" else first["msg"]
         return APIError(f"{param}: {detail}" if param else detail, 400, param).response()
 
@@ -73,6 +85,7 @@ def install_exception_handlers(app: FastAPI) -> None:
         return APIError(str(exc.detail), exc.status_code).response()
 
     for exc_type in (APIError, ValueError, EngineDeadError, EngineGenerateError):
+
         async def known_error(request: Request, exc: Exception):
             return APIError.from_exception(exc, _request_id(request)).response()
 

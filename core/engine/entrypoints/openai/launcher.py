@@ -6,6 +6,7 @@ engine core as front end ``i``. It stays as their parent: SIGTERM / SIGINT drain
 the engine; an API server that dies takes the whole server down (exit status 1); an engine core that dies
 leaves the API servers answering 503 (``/health`` included), as one API server does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,27 +17,38 @@ import socket
 import tempfile
 import threading
 from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 
 from engine.config import VllmConfig
-from engine.runtime.core_client import RemoteEngines
-from engine.runtime.core_launcher import CoreEngineProcManager, make_addresses
-from engine.runtime.lifetime import describe_exit, remove_ipc_dir, set_process_name, start_process, watch_parent
+from engine.entrypoints.openai.api_server import serve_on_socket
+from engine.frontend.core_client import RemoteEngines
+from engine.lifetime import (
+    describe_exit,
+    remove_ipc_dir,
+    set_process_name,
+    start_process,
+    stop_processes,
+    watch_parent,
+)
+from engine.processes.core_launcher import CoreEngineProcManager, make_addresses
 
 logger = logging.getLogger("engine.server")
 _WATCH_S = 0.5
 
 
-def run_api_server_process(config: VllmConfig, sock: socket.socket, remote: RemoteEngines, parent_pid: int,
-                           log_level: int) -> None:
+def run_api_server_process(
+    config: VllmConfig, sock: socket.socket, remote: RemoteEngines, parent_pid: int, log_level: int
+) -> None:
     """One API server: uvicorn on the shared socket, front end ``remote.client_index`` of the engine."""
     import sys
 
-    from engine.entrypoints.openai.api_server import serve_on_socket
-
     set_process_name(f"APIServer_{remote.client_index}")
     watch_parent(parent_pid, f"API server {remote.client_index}")  # SIGTERM: uvicorn drains and exits
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s %(asctime)s api{remote.client_index} "
-                        "%(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(levelname)s %(asctime)s api{remote.client_index} %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     logging.getLogger("engine").setLevel(log_level)
     sys.exit(serve_on_socket(config, sock, remote))
 
@@ -50,7 +62,7 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     engines = None
-    servers: list[multiprocessing.Process] = []
+    servers: list[BaseProcess] = []
     exit_code = 0
     try:
         engines = CoreEngineProcManager(config, addresses, ipc_dir)
@@ -58,20 +70,29 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
         log_level = logging.getLogger("engine").getEffectiveLevel()
         for index in range(count):
             remote = RemoteEngines(addresses, index, engines.pids)
-            proc = spawn.Process(target=run_api_server_process, name=f"APIServer-{index}", daemon=False,
-                                 args=(config, sock, remote, os.getpid(), log_level))
+            proc = spawn.Process(
+                target=run_api_server_process,
+                name=f"APIServer-{index}",
+                daemon=False,
+                args=(config, sock, remote, os.getpid(), log_level),
+            )
             start_process(proc)
             servers.append(proc)
-        logger.info("%d API servers on http://%s:%d, %d engine core(s) loading", count, config.server.host,
-                    config.server.port, config.parallel.data_parallel_size)
+        logger.info(
+            "%d API servers on http://%s:%d, %d engine core(s) loading",
+            count,
+            config.server.host,
+            config.server.port,
+            config.parallel.data_parallel_size,
+        )
         while not stop.is_set():
             ended = wait([p.sentinel for p in servers], _WATCH_S)
             if ended and not stop.is_set():
-                proc = next(p for p in servers if p.sentinel in ended)
-                proc.join(1)
-                code = proc.exitcode
+                first = next(p for p in servers if p.sentinel in ended)
+                first.join(1)
+                code = first.exitcode
                 if code != 0:
-                    logger.error("%s ended (%s): stopping the server", proc.name, describe_exit(proc))
+                    logger.error("%s ended (%s): stopping the server", first.name, describe_exit(first))
                 exit_code = 0 if code == 0 else 1
                 break
     finally:
@@ -84,13 +105,6 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
     return exit_code
 
 
-def _stop_api_servers(servers: list[multiprocessing.Process], grace: float) -> None:
+def _stop_api_servers(servers: list[BaseProcess], grace: float) -> None:
     """SIGTERM (each drains for ``grace`` seconds, as one server does), then SIGKILL what is left."""
-    for proc in servers:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in servers:
-        proc.join(grace + 10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    stop_processes(servers, grace + 10)

@@ -1,7 +1,10 @@
 """Prometheus metrics of the server (prometheus-client), vLLM's set under an ``engine_`` prefix."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.messages import SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -15,15 +18,20 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, api_server: int = 0):
         self.registry = CollectorRegistry()
-        Gauge("engine_api_server_info", "Which API-server process answered (--api-server-count)",
-              ["model_name", "api_server"], registry=self.registry).labels(model_name, str(api_server)).set(1)
+        Gauge(
+            "engine_api_server_info",
+            "Which API-server process answered (--api-server-count)",
+            ["model_name", "api_server"],
+            registry=self.registry,
+        ).labels(model_name, str(api_server)).set(1)
         labels = ["model_name"]
         rank_labels = ["model_name", "dp_rank"]  # engine-core gauges and counters: one series per DP rank
         gauge = lambda name, doc: Gauge(name, doc, rank_labels, registry=self.registry)
         counter = lambda name, doc: Counter(name, doc, labels, registry=self.registry).labels(model_name)
         rank_counter = lambda name, doc, extra=(): Counter(name, doc, rank_labels + list(extra), registry=self.registry)
-        histogram = lambda name, doc: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS,
-                                                registry=self.registry).labels(model_name)
+        histogram = lambda name, doc: Histogram(
+            name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry
+        ).labels(model_name)
         self.num_requests_running = gauge("engine_num_requests_running", "Requests in the running queue")
         self.num_requests_waiting = gauge("engine_num_requests_waiting", "Requests in the waiting queue")
         self.kv_cache_usage = gauge("engine_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)")
@@ -42,14 +50,17 @@ class ServerMetrics:
         self.spec_num_drafts = rank_counter("engine_spec_decode_num_drafts", "Request-steps that verified drafts")
         self.spec_num_draft_tokens = rank_counter("engine_spec_decode_num_draft_tokens", "Draft tokens verified")
         self.spec_num_accepted_tokens = rank_counter("engine_spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self._spec_per_pos = rank_counter("engine_spec_decode_num_accepted_tokens_per_pos",
-                                          "Draft tokens accepted, by position in the draft", ["position"])
+        self._spec_per_pos = rank_counter(
+            "engine_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft",
+            ["position"],
+        )
         self._model_name = model_name
-        self._spec_seen: dict[str, object] = {}  # per DP rank: the totals already counted
+        self._spec_seen: dict[str, SpecDecodingStats] = {}  # per DP rank: the totals already counted
 
     def update_from_stats(self, stats) -> None:
         """Set every engine-core series from ``get_stats()``: one per DP rank (``dp_rank`` label)."""
-        for rank_stats in (stats.per_rank or [stats]):
+        for rank_stats in stats.per_rank or [stats]:
             self._update_rank(str(rank_stats.dp_rank or 0), rank_stats)
 
     def _update_rank(self, rank: str, stats) -> None:
@@ -59,15 +70,16 @@ class ServerMetrics:
         self.kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
         self.prefix_cache_queries.labels(*labels).set(stats.prefix_cache_queries)
         self.prefix_cache_hits.labels(*labels).set(stats.prefix_cache_hits)
-        self.prefix_cache_hit_rate.labels(*labels).set(stats.prefix_cache_hits / stats.prefix_cache_queries
-                                                       if stats.prefix_cache_queries else 0.0)
+        self.prefix_cache_hit_rate.labels(*labels).set(
+            stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        )
         self.num_preemptions.labels(*labels).set(stats.num_preemptions)
         self.num_requests_received.labels(*labels).set(stats.num_requests_received)
         spec = getattr(stats, "spec_decoding", None)
         if spec is not None:
             self._count_spec(rank, spec)
 
-    def _count_spec(self, rank: str, spec) -> None:
+    def _count_spec(self, rank: str, spec: SpecDecodingStats) -> None:
         seen = self._spec_seen.get(rank)
         labels = (self._model_name, rank)
         advance = lambda counter, now, before: counter.labels(*labels).inc(max(0, now - before))

@@ -4,6 +4,7 @@ Pure ASGI (not ``@app.middleware("http")``): Starlette's BaseHTTPMiddleware repl
 channel, so a handler behind it never sees ``http.disconnect`` and an abandoned non-streaming request
 would run to the end.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,22 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-async def send_json_error(send: Send, message: str, status: int, err_type: str,
-                          headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
+async def send_json_error(
+    send: Send, message: str, status: int, err_type: str, headers: Optional[list[tuple[bytes, bytes]]] = None
+) -> None:
     """An OpenAI-style error response, straight over ASGI."""
     body = json.dumps(error_body(message, err_type, None, status)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -49,8 +59,9 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            await send_json_error(send, "invalid or missing API key", 401, "AuthenticationError",
-                                  [(b"www-authenticate", b"Bearer")])
+            await send_json_error(
+                send, "invalid or missing API key", 401, "AuthenticationError", [(b"www-authenticate", b"Bearer")]
+            )
             return
         await self.app(scope, receive, send)
 
@@ -81,9 +92,14 @@ class RequestGuardMiddleware:
         id_header = (b"x-request-id", request_id.encode("latin-1"))
         length = self._header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await send_json_error(send, f"the request body has {int(length)} bytes; the limit is "
-                                  f"{self.max_body_bytes} (server.max_request_body_bytes)", 413,
-                                  "RequestTooLargeError", [id_header])
+            await send_json_error(
+                send,
+                f"the request body has {int(length)} bytes; the limit is "
+                f"{self.max_body_bytes} (server.max_request_body_bytes)",
+                413,
+                "RequestTooLargeError",
+                [id_header],
+            )
             return
         received = 0
         started = answered = False
@@ -98,9 +114,13 @@ class RequestGuardMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     if not started:
-                        await send_json_error(send, f"the request body exceeds {self.max_body_bytes} bytes "
-                                              "(server.max_request_body_bytes)", 413, "RequestTooLargeError",
-                                              [id_header])
+                        await send_json_error(
+                            send,
+                            f"the request body exceeds {self.max_body_bytes} bytes (server.max_request_body_bytes)",
+                            413,
+                            "RequestTooLargeError",
+                            [id_header],
+                        )
                     answered = True
                     return {"type": "http.disconnect"}
             return message
@@ -121,5 +141,10 @@ class RequestGuardMiddleware:
                 return
             logger.exception("request %s %s %s failed: %s", request_id, scope.get("method"), scope.get("path"), exc)
             if not started:
-                await send_json_error(send, f"internal error ({type(exc).__name__}); request id {request_id}",
-                                      500, "InternalServerError", [id_header])
+                await send_json_error(
+                    send,
+                    f"internal error ({type(exc).__name__}); request id {request_id}",
+                    500,
+                    "InternalServerError",
+                    [id_header],
+                )

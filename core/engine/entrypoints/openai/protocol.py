@@ -1,4 +1,5 @@
 """OpenAI request bodies (plus vLLM's sampling extras) and their mapping onto SamplingParams."""
+
 from __future__ import annotations
 
 import logging
@@ -84,7 +85,7 @@ class ResponseFormat(_Request):
     json_schema: Optional[JsonSchemaFormat] = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise ValueError("response_format of type json_schema needs json_schema.schema")
         return self
@@ -92,7 +93,7 @@ class ResponseFormat(_Request):
     def constraint(self) -> Optional[StructuredOutputsParams]:
         if self.type == "json_object":
             return StructuredOutputsParams(json_object=True)
-        if self.type == "json_schema":
+        if self.type == "json_schema" and self.json_schema is not None:  # the validator requires it
             return StructuredOutputsParams(json=self.json_schema.json_schema)
         return None
 
@@ -107,8 +108,9 @@ class StructuredOutputsRequest(_Request):
     json_object: Optional[bool] = None
 
     def constraint(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
-                                       json_object=self.json_object)
+        return StructuredOutputsParams(
+            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar, json_object=self.json_object
+        )
 
 
 class _SamplingFields(_Request):
@@ -147,10 +149,12 @@ class _SamplingFields(_Request):
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
     # vLLM's name: SamplingParams.extra_args, read by third-party logits processors
-    vllm_xargs: Optional[dict[str, Union[str, Int64, float, bool, None, list[Union[str, Int64, float, bool, None]]]]] = None
+    vllm_xargs: Optional[
+        dict[str, Union[str, Int64, float, bool, None, list[Union[str, Int64, float, bool, None]]]]
+    ] = None
 
     @model_validator(mode="after")
-    def _log_no_effect_fields(self) -> "_SamplingFields":
+    def _log_no_effect_fields(self) -> _SamplingFields:
         for name in NO_EFFECT_FIELDS:
             if getattr(self, name) is not None and name not in _logged_no_effect:
                 _logged_no_effect.add(name)
@@ -164,35 +168,56 @@ class _SamplingFields(_Request):
             if not key.strip().isdigit() or int(key) > INT64_MAX:
                 raise ValueError(f"keys must be non-negative token ids, got {key!r}")
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(f"biases must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for {key!r}")
+                raise ValueError(
+                    f"biases must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for {key!r}"
+                )
         return value
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
         """The output constraint asked for by ``response_format`` or ``structured_outputs`` (at most one)."""
         from_format = self.response_format.constraint() if self.response_format is not None else None
         if from_format is not None and self.structured_outputs is not None:
-            raise InvalidParameterError("response_format and structured_outputs both constrain the output; "
-                                        "give one of them", "structured_outputs")
+            raise InvalidParameterError(
+                "response_format and structured_outputs both constrain the output; give one of them",
+                "structured_outputs",
+            )
         if self.structured_outputs is not None:
             return self.structured_outputs.constraint()
         return from_format
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], default_max: int,
-                        constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: Optional[int],
+        logprobs: Optional[int],
+        default_max: int,
+        constraint: Optional[StructuredOutputsParams] = None,
+    ) -> SamplingParams:
         """Map onto SamplingParams (with ``constraint``, else the body's own); invalid values raise ValueError
         naming the field."""
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids or [],
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            max_tokens=max_tokens if max_tokens is not None else default_max, min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words, logprobs=logprobs, extra_args=self.vllm_xargs,
-            structured_outputs=constraint if constraint is not None else self.constraint())
+            max_tokens=max_tokens if max_tokens is not None else default_max,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            logprobs=logprobs,
+            extra_args=self.vllm_xargs,
+            structured_outputs=constraint if constraint is not None else self.constraint(),
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -272,6 +297,7 @@ def now() -> int:
     return int(time.time())
 
 
-def error_body(message: str, err_type: str = "BadRequestError", param: Optional[str] = None,
-               code: int = 400) -> dict[str, Any]:
+def error_body(
+    message: str, err_type: str = "BadRequestError", param: Optional[str] = None, code: int = 400
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}

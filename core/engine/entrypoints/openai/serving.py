@@ -1,5 +1,6 @@
 """OpenAIServing: what every endpoint shares — the engine (loaded in the background), the served model's
 name, metrics, prompt preparation, running prompts to completion or as a stream, and draining on shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +8,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 from fastapi import Request
 
 from engine.config import VllmConfig
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from engine.frontend.input_processor import PreparedRequest
 from engine.outputs import RequestOutput
 
 logger = logging.getLogger("engine.server")
@@ -45,7 +47,7 @@ class OpenAIServing:
 
     # ---- engine ---------------------------------------------------------------------------------
     def load_engine(self):
-        from engine.runtime.async_llm import AsyncLLM
+        from engine.frontend.async_llm import AsyncLLM
 
         self.engine = AsyncLLM(self.config, self.cancel_start, self.remote)
         return self.engine
@@ -63,13 +65,15 @@ class OpenAIServing:
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(f"The model `{name}` does not exist. Served: `{self.model_name}`", 404, "model",
-                           "NotFoundError")
+            raise APIError(
+                f"The model `{name}` does not exist. Served: `{self.model_name}`", 404, "model", "NotFoundError"
+            )
 
     # ---- prompts --------------------------------------------------------------------------------
     async def tokenized(self, engine, prompts: list) -> list[dict]:
         """Every prompt as token ids; text is tokenized off the event loop (a long prompt must not stall
         the other clients, /health included)."""
+
         def encode_all() -> list[dict]:
             return [{"prompt_token_ids": engine.tokenizer.encode(p)} if isinstance(p, str) else p for p in prompts]
 
@@ -78,58 +82,72 @@ class OpenAIServing:
         return await asyncio.to_thread(encode_all)
 
     @staticmethod
-    def chat_prompt_ids(engine, messages, add_generation_prompt: bool, chat_template: Optional[str],
-                        tools: Optional[list[dict]] = None) -> list[int]:
+    def chat_prompt_ids(
+        engine, messages, add_generation_prompt: bool, chat_template: Optional[str], tools: Optional[list[dict]] = None
+    ) -> list[int]:
         """The conversation through the chat template (which decides how ``tools`` and tool messages show)."""
         tokenizer = engine.tokenizer
         conversation = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in messages]
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template, tools=tools)
+            text = tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+            )
         except Exception as exc:
             raise APIError(f"cannot apply the chat template: {exc}", 400, "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod
-    def validate(engine, prompts: list[dict], params) -> None:
-        """Every prompt is checked before any is started."""
-        for prompt in prompts:
-            engine.input_processor.process("validate", prompt, params)
-            engine.input_processor.check_context_length(len(prompt["prompt_token_ids"]), params)
+    def prepare(engine, prompts: list[dict], params, base_id: str) -> list[PreparedRequest]:
+        """Every prompt of a call validated and tokenized (with the context-length check) before any starts;
+        prompt ``i`` runs as request ``{base_id}-{i}``."""
+        return [
+            engine.input_processor.prepare(f"{base_id}-{index}", prompt, params, check_context_length=True)
+            for index, prompt in enumerate(prompts)
+        ]
 
-    async def validate_off_loop(self, engine, prompts: list[dict], params) -> None:
-        """``validate``; a constrained request's check (its backend parses the schema or grammar) runs on a
+    async def prepare_off_loop(self, engine, prompts: list[dict], params, base_id: str) -> list[PreparedRequest]:
+        """``prepare``; a constrained request's check (its backend parses the schema or grammar) runs on a
         thread, so that a large constraint does not stall the other clients."""
         if params.structured_outputs is None:
-            self.validate(engine, prompts, params)
-        else:
-            await asyncio.to_thread(self.validate, engine, prompts, params)
+            return self.prepare(engine, prompts, params, base_id)
+        return await asyncio.to_thread(self.prepare, engine, prompts, params, base_id)
 
     # ---- generation -----------------------------------------------------------------------------
-    async def generate(self, engine, prompt: Any, params, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of one prompt, measured for the metrics."""
+    async def generate(self, engine, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of one prepared prompt, measured for the metrics."""
         timer = RequestTimer(self.metrics, time.monotonic)
         if self.config.server.log_requests:
-            logger.info("request %s: prompt %s, params %s", request_id,
-                        prompt if isinstance(prompt, str) else f"{len(prompt['prompt_token_ids'])} tokens", params)
+            logger.info(
+                "request %s: prompt %d tokens, params %s",
+                prepared.request_id,
+                prepared.num_prompt_tokens,
+                prepared.requests[0].sampling_params,
+            )
         output = None
-        async for output in engine.generate(prompt, params, request_id):
+        async for output in engine.generate(prepared):
             timer.on_output(sum(len(c.token_ids) for c in output.outputs))
             yield output
         if output is not None:
             timer.on_finish(len(output.prompt_token_ids))
 
-    async def final_outputs(self, engine, prompts: list, params, base_id: str,
-                            http_request: Request) -> list[RequestOutput]:
+    async def final_outputs(
+        self, engine, prepared: list[PreparedRequest], http_request: Request
+    ) -> list[RequestOutput]:
         """Non-streaming: run every prompt; a client that goes away, a failed prompt or a shutdown aborts them all."""
-        async def last(index: int, prompt) -> RequestOutput:
-            final = None
-            async for final in self.generate(engine, prompt, params, f"{base_id}-{index}"):
+
+        async def last(request: PreparedRequest) -> RequestOutput:
+            final: Optional[RequestOutput] = None
+            async for final in self.generate(engine, request):  # noqa: B007 (the last one)
                 pass
+            if final is None:
+                raise RuntimeError(f"request {request.request_id} ended without an output")
             return final
 
-        tasks = [asyncio.create_task(last(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(last(request)) for request in prepared]
         try:
             while True:
                 done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
@@ -144,13 +162,13 @@ class OpenAIServing:
                 task.cancel()  # cancelling a prompt's generator aborts its request in the engine
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def merged(self, engine, prompts: list, params, base_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def merged(self, engine, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Streaming: (prompt index, output) as they come, from every prompt's generator."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, prompt) -> None:
+        async def pump(index: int, request: PreparedRequest) -> None:
             try:
-                async for output in self.generate(engine, prompt, params, f"{base_id}-{index}"):
+                async for output in self.generate(engine, request):
                     await queue.put((index, output))
             except BaseException as exc:
                 await queue.put((index, exc))
@@ -161,7 +179,7 @@ class OpenAIServing:
         if self.draining.is_set():
             raise APIError("the server is shutting down", 503)
         self.streams.add(queue)
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(pump(i, request)) for i, request in enumerate(prepared)]
         remaining = len(tasks)
         try:
             while remaining:

@@ -1,4 +1,5 @@
 """Server-sent events shared by the completions and chat endpoints: text deltas per choice, usage, errors."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,15 @@ def usage(outputs: Iterable[RequestOutput]) -> dict[str, int]:
 ChoiceDelta = Callable[[int, CompletionOutput, str, int], dict]
 
 
-async def stream_choices(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int, header: dict,
-                         make_choice: ChoiceDelta, include_usage: bool, request_id: str,
-                         preamble: Iterable[dict] = ()) -> AsyncIterator[str]:
+async def stream_choices(
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    n: int,
+    header: dict,
+    make_choice: ChoiceDelta,
+    include_usage: bool,
+    request_id: str,
+    preamble: Iterable[dict] = (),
+) -> AsyncIterator[str]:
     """One event per choice that has new text, new tokens or a finish reason (choice index: prompt index
     times ``n`` plus the sequence index); then the usage if asked; ``[DONE]`` last. A failure after the 200
     header ends the stream with an OpenAI error event."""

@@ -8,13 +8,16 @@
 - ``"auto"`` (the default when tools are given): the model decides, in its own format; the tool-call parser
   plugin chosen by ``server.tool_call_parser`` (``hermes`` built in) turns its text into ``tool_calls``.
 """
+
 from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
 from engine.entrypoints.openai.errors import APIError
+from engine.interfaces.base import SelectionContext
 from engine.interfaces.tool_parser import DeltaMessage, ToolCall, ToolParser
+from engine.plugins import get_plugin_manager
 from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -24,11 +27,8 @@ if TYPE_CHECKING:
 ANY_OBJECT = {"type": "object"}
 
 
-def select_tool_parser(vllm_config: "VllmConfig") -> Optional[type]:
+def select_tool_parser(vllm_config: VllmConfig) -> Optional[type]:
     """The configured tool-call parser class, or None when ``server.tool_call_parser`` is ``none``."""
-    from engine.interfaces.base import SelectionContext
-    from engine.plugins import get_plugin_manager
-
     name = vllm_config.server.tool_call_parser
     if name == "none":
         return None
@@ -38,36 +38,59 @@ def select_tool_parser(vllm_config: "VllmConfig") -> Optional[type]:
 class ToolCallPlan:
     """What a chat request's ``tools`` / ``tool_choice`` ask for; 400 (APIError) for an inconsistent pair."""
 
-    def __init__(self, body: "ChatCompletionRequest", parser_cls: Optional[type]):
+    def __init__(self, body: ChatCompletionRequest, parser_cls: Optional[type]):
         self.tools = {tool.function.name: tool.function for tool in body.tools or []}
         self.parallel = body.parallel_tool_calls is not False
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if self.tools else "none")
-        self.function_name: Optional[str] = None
+        self.function_name = ""  # the named function (mode "named" only)
+        self.mode: str
         if isinstance(choice, str):
             self.mode = choice
         else:
             self.mode, self.function_name = "named", choice.function.name
         if self.mode != "none" and not self.tools:
             raise APIError(f"tool_choice {self.mode!r} needs tools", 400, "tool_choice")
-        if self.function_name is not None and self.function_name not in self.tools:
-            raise APIError(f"tool_choice names the function {self.function_name!r}, which is not among the tools "
-                           f"{sorted(self.tools)}", 400, "tool_choice")
+        if self.mode == "named" and self.function_name not in self.tools:
+            raise APIError(
+                f"tool_choice names the function {self.function_name!r}, which is not among the tools "
+                f"{sorted(self.tools)}",
+                400,
+                "tool_choice",
+            )
         if self.mode == "auto" and parser_cls is None:
-            raise APIError('tool_choice "auto" (the default when tools are given) needs a tool-call parser: start the '
-                           'server with --tool-call-parser hermes (server.tool_call_parser), or ask for '
-                           'tool_choice "required", a named function or "none"', 400, "tool_choice")
+            raise APIError(
+                'tool_choice "auto" (the default when tools are given) needs a tool-call parser: start the '
+                "server with --tool-call-parser hermes (server.tool_call_parser), or ask for "
+                'tool_choice "required", a named function or "none"',
+                400,
+                "tool_choice",
+            )
         self.parser_cls = parser_cls if self.mode == "auto" else None
-        self.template_tools = ([{"type": "function", "function": function.model_dump(exclude_none=True)}
-                                for function in self.tools.values()] if self.mode != "none" else None)
+        self.template_tools = (
+            [
+                {"type": "function", "function": function.model_dump(exclude_none=True)}
+                for function in self.tools.values()
+            ]
+            if self.mode != "none"
+            else None
+        )
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
         """The output constraint of a named or required tool choice."""
         if self.mode == "named":
             return StructuredOutputsParams(json=self.tools[self.function_name].parameters or ANY_OBJECT)
         if self.mode == "required":
-            calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                       "parameters": function.parameters or ANY_OBJECT},
-                      "required": ["name", "parameters"]} for name, function in self.tools.items()]
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": function.parameters or ANY_OBJECT,
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for name, function in self.tools.items()
+            ]
             array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
             return StructuredOutputsParams(json=array if self.parallel else {**array, "maxItems": 1})
         return None
@@ -83,8 +106,9 @@ class ToolCallPlan:
             if parsed is not None:
                 calls, content = parsed, None
         elif self.mode == "auto":
+            assert self.parser_cls is not None  # refused above without one
             extracted = self.parser_cls(tokenizer).extract_tool_calls(text)
-            calls, content = extracted.tool_calls[:None if self.parallel else 1], extracted.content
+            calls, content = extracted.tool_calls[: None if self.parallel else 1], extracted.content
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
@@ -96,7 +120,7 @@ class ToolCallPlan:
             return "tool_calls"
         return reason
 
-    def streamer(self, tokenizer) -> "ToolCallStreamer":
+    def streamer(self, tokenizer) -> ToolCallStreamer:
         return ToolCallStreamer(self, tokenizer)
 
 
@@ -112,8 +136,10 @@ def parse_required_calls(text: str) -> Optional[list[ToolCall]]:
         items = json.loads(text)
     except ValueError:
         return None
-    calls = [call_from_item(item) for item in items] if isinstance(items, list) else [None]
-    return calls if calls and None not in calls else None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [call_from_item(item) for item in items]
+    return [call for call in calls if call is not None] if None not in calls else None
 
 
 class ToolCallStreamer:
@@ -144,8 +170,10 @@ class ToolCallStreamer:
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         if mode == "required":
             return self._required_delta(current_text, finished)
-        found: Optional[DeltaMessage] = self.parser.extract_tool_calls_streaming(previous_text, current_text, text,
-                                                                                 finished)
+        assert self.parser is not None  # auto always has one (ToolCallPlan refuses auto without a parser)
+        found: Optional[DeltaMessage] = self.parser.extract_tool_calls_streaming(
+            previous_text, current_text, text, finished
+        )
         if found is None:
             return {}
         self.num_calls += len(found.tool_calls)

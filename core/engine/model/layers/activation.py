@@ -1,4 +1,5 @@
 """SiLU-and-multiply over a merged gate/up projection."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ an AVX2 machine, against 140 in float32). There the linear weights are kept in f
 are the checkpoint's bfloat16 values, exactly) and each product runs as a float32 GEMM on the bfloat16
 activations, rounded back to bfloat16: the result of a bfloat16 GEMM with float32 accumulation.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,14 @@ def widen_gemm_weights(model: nn.Module, dtype: torch.dtype, device: torch.devic
     for module in linear_layers(model):
         module.weight.data = module.weight.data.float()
     name = str(dtype).replace("torch.", "")
-    logger.info("this CPU (%s) has no native %s GEMM: linear weights are kept in float32 and products round "
-                "to %s (a %s GEMM with float32 accumulation)", torch.backends.cpu.get_cpu_capability(), name, name, name)
+    logger.info(
+        "this CPU (%s) has no native %s GEMM: linear weights are kept in float32 and products round "
+        "to %s (a %s GEMM with float32 accumulation)",
+        torch.backends.cpu.get_cpu_capability(),
+        name,
+        name,
+        name,
+    )
     return True
 
 
@@ -80,8 +87,9 @@ class PlainProduct:
         self.bias = None if bias is None else bias.detach().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype),
-                                         self.weight, self.bias)
+        out = torch.nn.functional.linear(
+            x if x.dtype == self.weight.dtype else x.to(self.weight.dtype), self.weight, self.bias
+        )
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
@@ -103,11 +111,14 @@ def native_product_candidates(dtype: torch.dtype) -> list[ProductCandidate]:
     """The products torch offers on this CPU for a model in ``dtype``: oneDNN's packed float32 product (first:
     the default that the others must clearly beat), MKL's plain one, and, where the CPU computes 16-bit
     products natively, oneDNN's packed and plain 16-bit ones."""
-    candidates = [ProductCandidate("onednn", lambda w, b: PackedLinear(w, b)
-                                   if torch.backends.mkldnn.is_available() else None),
-                  ProductCandidate("torch", lambda w, b: PlainProduct(w, b, torch.float32))]
+    candidates = [
+        ProductCandidate("onednn", lambda w, b: PackedLinear(w, b) if torch.backends.mkldnn.is_available() else None),
+        ProductCandidate("torch", lambda w, b: PlainProduct(w, b, torch.float32)),
+    ]
     if dtype in _HALF and cpu_has_half_gemm(dtype):
         name = str(dtype).replace("torch.", "")
-        candidates += [ProductCandidate(f"onednn-{name}", lambda w, b: PackedHalfLinear(w, b, dtype)),
-                       ProductCandidate(f"torch-{name}", lambda w, b: PlainProduct(w, b, dtype))]
+        candidates += [
+            ProductCandidate(f"onednn-{name}", lambda w, b: PackedHalfLinear(w, b, dtype)),
+            ProductCandidate(f"torch-{name}", lambda w, b: PlainProduct(w, b, dtype)),
+        ]
     return candidates

@@ -1,4 +1,5 @@
 """Which LayerKernels the layers being built use: the model loader sets it around construction."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,20 +1,22 @@
 """Linear layers sharded by tensor-parallel rank: column (incl. merged and QKV) and row parallel."""
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_group
-from engine.quantization.formats import QuantizedWeight, cat_rows, dequantize
+from engine.model.quant_formats import QuantizedWeight, cat_rows, dequantize
 
 PackedProduct = Callable[[torch.Tensor], torch.Tensor]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           packed: Optional[PackedProduct] = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, packed: Optional[PackedProduct] = None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` in the weight's dtype, returned in the activation's dtype; through
     ``packed`` (the same product on a packed weight, from ``LayerKernels.pack_linear``) when the
     layer kernels made one."""
@@ -26,9 +28,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return out.to(x.dtype)
 
 
-def _param(shape: Sequence[int], loader) -> nn.Parameter:
+def _param(shape: Sequence[int], loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    param.weight_loader = loader
+    param.weight_loader = loader  # type: ignore[attr-defined]  # read back by weight_loader_of
     return param
 
 
@@ -85,8 +87,9 @@ class QKVParallelLinear(nn.Module):
     split evenly.
     """
 
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ):
         super().__init__()
         tp = get_tp_group()
         if total_num_heads % total_num_kv_heads:
@@ -97,16 +100,21 @@ class QKVParallelLinear(nn.Module):
             q_start, q_count = kv_start * group, kv_count * group
         else:
             if tp.world_size % total_num_kv_heads or total_num_heads % tp.world_size:
-                raise ValueError(f"tensor_parallel_size {tp.world_size} cannot split {total_num_heads} query / "
-                                 f"{total_num_kv_heads} KV heads")
+                raise ValueError(
+                    f"tensor_parallel_size {tp.world_size} cannot split {total_num_heads} query / "
+                    f"{total_num_kv_heads} KV heads"
+                )
             kv_start, kv_count = tp.rank // (tp.world_size // total_num_kv_heads), 1
             q_count = total_num_heads // tp.world_size
             q_start = tp.rank * q_count
         self.head_size = head_size
         self.num_heads, self.num_kv_heads = q_count, kv_count
         self.q_head_start, self.kv_head_start = q_start, kv_start
-        self.shards = {"q": (0, q_start, q_count), "k": (q_count, kv_start, kv_count),
-                       "v": (q_count + kv_count, kv_start, kv_count)}  # (offset in param, first head, heads)
+        self.shards = {
+            "q": (0, q_start, q_count),
+            "k": (q_count, kv_start, kv_count),
+            "v": (q_count + kv_count, kv_start, kv_count),
+        }  # (offset in param, first head, heads)
         rows = (q_count + 2 * kv_count) * head_size
         self.weight = _param((rows, hidden_size), self.weight_loader)
         self.bias = _param((rows,), self.weight_loader) if bias else None
@@ -126,8 +134,9 @@ class QKVParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = xW^T + b with W split along its input columns; partial sums are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 input_partition: Optional[tuple[int, int]] = None):
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, input_partition: Optional[tuple[int, int]] = None
+    ):
         """``input_partition`` = (start, size) of this rank's input columns when not an even split."""
         super().__init__()
         tp = get_tp_group()
@@ -167,7 +176,7 @@ def keep_quantized_shard(module: nn.Module, param: nn.Parameter, row_offset: int
     return True
 
 
-def finish_quantized_weight(module: nn.Module) -> None:
+def finish_quantized_weight(module: Any) -> None:
     """Stack the packed shards a layer received into ``module.quant_weight`` and release its float weight; a layer
     whose shards came in mixed formats (or mixed with float ones) gets them de-quantized into the float weight."""
     shards = module.__dict__.pop("_quant_shards", None)
@@ -182,7 +191,7 @@ def finish_quantized_weight(module: nn.Module) -> None:
         module.weight.data.narrow(0, offset, shard.shape[0]).copy_(dequantize(shard))
 
 
-def set_quantized_weight(module: nn.Module, weight: QuantizedWeight) -> None:
+def set_quantized_weight(module: Any, weight: QuantizedWeight) -> None:
     """Make ``weight`` the layer's weight: the float parameter keeps its dtype and is emptied (its memory goes)."""
     module.quant_weight = weight
     module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
@@ -190,7 +199,9 @@ def set_quantized_weight(module: nn.Module, weight: QuantizedWeight) -> None:
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -198,48 +209,10 @@ def weight_loader_of(param: nn.Parameter):
     return getattr(param, "weight_loader", default_weight_loader)
 
 
-
-
-def linear_layers(model: nn.Module, quantized: Optional[bool] = None) -> list[nn.Module]:
+def linear_layers(model: nn.Module, quantized: Optional[bool] = None) -> list[Any]:
     """Every tensor-parallel linear layer of a model (``quantized``: only those with, or without, a
     ``quant_weight``)."""
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
     if quantized is None:
         return layers
     return [m for m in layers if (getattr(m, "quant_weight", None) is not None) == quantized]
-
-
-def quantized_product(weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> PackedProduct:
-    """The product on a packed weight when the layer kernels offer none: the weight de-quantized once into a
-    float32 product (:func:`~engine.model.layers.gemm.onednn_packed_linear`, else ``F.linear``)."""
-    from engine.model.layers.gemm import PlainProduct, onednn_packed_linear
-
-    dense = dequantize(weight)
-    return onednn_packed_linear(dense, bias) or PlainProduct(dense, bias, torch.float32)
-
-
-def pack_linear_layers(model: nn.Module, pack_linear: Callable[..., Optional[PackedProduct]],
-                       head_in_float32: bool = False,
-                       pack_quantized: Callable[..., PackedProduct] = quantized_product) -> int:
-    """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) the product
-    ``pack_linear(weight, bias)`` prepares for its weight (``pack_quantized(quant_weight, bias)`` for a quantized
-    one); returns how many products were packed.
-
-    The plain weights stay (inspection and the parameter count read them; new weights need packing
-    again). A weight ``pack_linear`` declines (None) keeps the plain product. ``head_in_float32``: pack
-    the LM head (often the embedding table, kept in the model dtype) from a float32 copy.
-    """
-    packed = 0
-    for module in linear_layers(model):  # a row-parallel bias is added after the all-reduce, not in the product
-        bias = None if isinstance(module, RowParallelLinear) else module.bias
-        quant = getattr(module, "quant_weight", None)
-        module.packed = pack_linear(module.weight, bias) if quant is None else pack_quantized(quant, bias)
-        packed += module.packed is not None
-    head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
-    if head is not None and getattr(head, "quant_weight", None) is not None:
-        model.logits_gemm = pack_quantized(head.quant_weight, None)
-        packed += 1
-    elif head is not None:
-        model.logits_gemm = pack_linear(head.weight.float() if head_in_float32 else head.weight)
-        packed += model.logits_gemm is not None
-    return packed

@@ -1,4 +1,5 @@
 """The built-in ``native`` LayerKernels: torch ops, the reference every fused implementation matches."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -6,12 +7,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from engine import hookimpl
+from engine.hookspecs import hookimpl
 from engine.interfaces.layer_kernels import LayerKernels
 from engine.model.layers.gemm import native_product_candidates, onednn_packed_linear, widen_gemm_weights
-from engine.model.layers.linear import pack_linear_layers, quantized_product
-from engine.model.layers.product_choice import (ProductCandidate, ProductTable, bucketed_product, choose_products,
-                                                log_table, model_shapes, quantized_formats)
+from engine.model.layers.packing import pack_linear_layers, quantized_product
+from engine.model.layers.product_choice import (
+    ProductCandidate,
+    ProductTable,
+    bucketed_product,
+    choose_products,
+    log_table,
+    model_shapes,
+    quantized_formats,
+)
 
 
 class NativeLayerKernels(LayerKernels):
@@ -43,15 +51,17 @@ class NativeLayerKernels(LayerKernels):
             weight_dtype = torch.float32 if widened else dtype
             shapes = model_shapes(model)
             if shapes:
-                self.product_table = choose_products(shapes, candidates, dtype, weight_dtype,
-                                                     use_cache=self.kernel_cache)
+                self.product_table = choose_products(
+                    shapes, candidates, dtype, weight_dtype, use_cache=self.kernel_cache
+                )
                 log_table(self.product_table)
             for fmt in quantized_formats(model):
                 candidates = self.quantized_product_candidates(fmt)
                 self._quantized_candidates[fmt] = {c.name: c for c in candidates}
                 if len(candidates) > 1:
-                    self.quantized_tables[fmt] = choose_products(model_shapes(model, fmt), candidates, dtype,
-                                                                 weight_dtype, self.kernel_cache, weight_format=fmt)
+                    self.quantized_tables[fmt] = choose_products(
+                        model_shapes(model, fmt), candidates, dtype, weight_dtype, self.kernel_cache, weight_format=fmt
+                    )
                     log_table(self.quantized_tables[fmt])
         pack_linear_layers(model, self.pack_linear, head_in_float32=widened, pack_quantized=self.pack_quantized)
 
@@ -61,7 +71,7 @@ class NativeLayerKernels(LayerKernels):
 
     def quantized_product_candidates(self, weight_format: str) -> list[ProductCandidate]:
         """The products on weights packed in ``weight_format`` to choose among by measurement; ``make`` takes a
-        :class:`~engine.quantization.formats.QuantizedWeight`. Native torch has no kernel for packed blocks: its one
+        :class:`~engine.model.quant_formats.QuantizedWeight`. Native torch has no kernel for packed blocks: its one
         candidate de-quantizes the weight once, into a float32 product."""
         return [ProductCandidate("dequantized", quantized_product)]
 
@@ -113,8 +123,12 @@ class NativeLayerKernels(LayerKernels):
     def rotary_embedding(self, positions, query, key, cos, sin, head_size):
         last = self._rope_rows  # one read and one write: engines in other threads never see half an update
         if last is None or last[0] is not positions or last[1] is not cos:
-            last = (positions, cos, cos.index_select(0, positions).unsqueeze(1),
-                    sin.index_select(0, positions).unsqueeze(1))
+            last = (
+                positions,
+                cos,
+                cos.index_select(0, positions).unsqueeze(1),
+                sin.index_select(0, positions).unsqueeze(1),
+            )
             self._rope_rows = last
         cos, sin = last[2], last[3]
         return _rotate(query, cos, sin, head_size), _rotate(key, cos, sin, head_size)

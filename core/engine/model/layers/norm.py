@@ -1,4 +1,5 @@
 """RMSNorm, computed in float32 as the reference implementations do, through the layer kernels."""
+
 from __future__ import annotations
 
 from typing import Optional

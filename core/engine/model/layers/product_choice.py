@@ -7,6 +7,7 @@ the torch version, the thread count, the dtype, the candidates and the shapes), 
 machine and model; ``device.kernel_cache = false`` (``--no-kernel-cache``) measures again.
 ``engine bench kernels`` prints the table.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,11 +19,12 @@ import platform
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from engine.model.layers.linear import PackedProduct
+from engine.model.layers.linear import PackedProduct, linear_layers
+from engine.model.quant_formats import quantize
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ class ProductCandidate:
     cannot take that weight)."""
 
     name: str
-    make: Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[PackedProduct]]
+    make: Callable[
+        [Any, Optional[torch.Tensor]], Optional[PackedProduct]
+    ]  # (weight: a tensor or QuantizedWeight, bias)
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,15 @@ class ProductTable:
             for bucket in ROW_BUCKETS:
                 if bucket.name not in choice.gflops:
                     continue
-                out.append({"shape": choice.shape.key, "bucket": bucket.name, "rows": bucket.measured_rows,
-                            "chosen": choice.chosen[bucket.name],
-                            **{f"{name}_gflops": round(v, 1) for name, v in choice.gflops[bucket.name].items()}})
+                out.append(
+                    {
+                        "shape": choice.shape.key,
+                        "bucket": bucket.name,
+                        "rows": bucket.measured_rows,
+                        "chosen": choice.chosen[bucket.name],
+                        **{f"{name}_gflops": round(v, 1) for name, v in choice.gflops[bucket.name].items()},
+                    }
+                )
         return out
 
     def to_json(self) -> dict:
@@ -134,8 +144,11 @@ def cpu_identity() -> dict:
     except OSError:
         pass
     name = fields.get("model name") or platform.processor() or platform.machine()
-    return {"cpu": name, "isa": torch.backends.cpu.get_cpu_capability(),
-            "flags": hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:16]}
+    return {
+        "cpu": name,
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "flags": hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:16],
+    }
 
 
 def cache_dir() -> str:
@@ -143,8 +156,9 @@ def cache_dir() -> str:
     return os.path.join(root, "engine", "products")
 
 
-def _time_candidates(products: dict[str, PackedProduct], x: torch.Tensor, rounds: int = 3,
-                     budget_s: float = 0.004) -> dict[str, float]:
+def _time_candidates(
+    products: dict[str, PackedProduct], x: torch.Tensor, rounds: int = 3, budget_s: float = 0.004
+) -> dict[str, float]:
     """Seconds per call of each product (the best of ``rounds`` interleaved rounds, so a busy neighbour or a
     frequency change hits every candidate alike and the minimum filters it out)."""
     best = {}
@@ -165,21 +179,24 @@ def _time_candidates(products: dict[str, PackedProduct], x: torch.Tensor, rounds
 def _pick(seconds: dict[str, float], preferred: Optional[str]) -> str:
     """The fastest candidate, unless the preferred one (the first listed: the layer kernels' own default) is
     within ``SWITCH_MARGIN`` of it: timing noise must not switch kernels, a clear win must."""
-    fastest = min(seconds, key=seconds.get)
+    fastest = min(seconds, key=seconds.__getitem__)
     if preferred in seconds and seconds[preferred] <= seconds[fastest] * (1 + SWITCH_MARGIN):
         return preferred
     return fastest
 
 
-def measure_shape(shape: ProductShape, candidates: list[ProductCandidate], dtype: torch.dtype,
-                  weight_dtype: torch.dtype, generator: torch.Generator,
-                  weight_format: Optional[str] = None) -> ProductChoice:
+def measure_shape(
+    shape: ProductShape,
+    candidates: list[ProductCandidate],
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    generator: torch.Generator,
+    weight_format: Optional[str] = None,
+) -> ProductChoice:
     """Time every candidate that takes this weight at each bucket's row count (on a weight quantized to
     ``weight_format`` when given: the candidates are then products on packed weights)."""
-    weight = (torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.05).to(weight_dtype)
+    weight: Any = (torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.05).to(weight_dtype)
     if weight_format is not None:
-        from engine.quantization.formats import quantize
-
         weight = quantize(weight, weight_format)
     products = {}
     for candidate in candidates:
@@ -204,15 +221,27 @@ def measure_shape(shape: ProductShape, candidates: list[ProductCandidate], dtype
     return choice
 
 
-def choose_products(shapes: list[ProductShape], candidates: list[ProductCandidate], dtype: torch.dtype,
-                    weight_dtype: torch.dtype, use_cache: bool = True,
-                    weight_format: Optional[str] = None) -> ProductTable:
+def choose_products(
+    shapes: list[ProductShape],
+    candidates: list[ProductCandidate],
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    use_cache: bool = True,
+    weight_format: Optional[str] = None,
+) -> ProductTable:
     """Measure (or read from the disk cache) the fastest candidate per shape and row bucket; ``weight_format``: the
-    weights are quantized in that format (``engine.quantization.formats``) and the candidates take packed ones."""
-    key = {"version": CHOICE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "dtype": str(dtype), "weight_dtype": weight_format or str(weight_dtype),
-           "candidates": [c.name for c in candidates],
-           "shapes": sorted({s.key for s in shapes}), "buckets": [b.measured_rows for b in ROW_BUCKETS]}
+    weights are quantized in that format (``engine.model.quant_formats``) and the candidates take packed ones."""
+    key = {
+        "version": CHOICE_VERSION,
+        **cpu_identity(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype),
+        "weight_dtype": weight_format or str(weight_dtype),
+        "candidates": [c.name for c in candidates],
+        "shapes": sorted({s.key for s in shapes}),
+        "buckets": [b.measured_rows for b in ROW_BUCKETS],
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = os.path.join(cache_dir(), f"{digest}.json")
     if use_cache:
@@ -247,8 +276,11 @@ def _read_cache(path: str, key: dict, shapes: list[ProductShape]) -> Optional[Pr
 
 
 def _write_cache(path: str, table: ProductTable) -> None:
-    payload = {"key": table.key, "measured_seconds": table.seconds,
-               "choices": {k: {"gflops": c.gflops, "chosen": c.chosen} for k, c in table.choices.items()}}
+    payload = {
+        "key": table.key,
+        "measured_seconds": table.seconds,
+        "choices": {k: {"gflops": c.gflops, "chosen": c.chosen} for k, c in table.choices.items()},
+    }
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False, suffix=".tmp") as f:
@@ -260,18 +292,24 @@ def _write_cache(path: str, table: ProductTable) -> None:
 
 def log_table(table: ProductTable) -> None:
     where = f"measured in {table.seconds:.2f} s" if table.source == "measured" else f"cached in {table.source}"
-    summary = "; ".join(f"{c.shape.key}: " + ", ".join(f"{b}={n}" for b, n in c.chosen.items())
-                        for c in table.choices.values())
-    logger.info("linear products chosen by measurement (%s, %s threads, %s, %s weights): %s", where,
-                table.key["threads"], table.key["isa"], table.key["weight_dtype"].replace("torch.", ""), summary)
+    summary = "; ".join(
+        f"{c.shape.key}: " + ", ".join(f"{b}={n}" for b, n in c.chosen.items()) for c in table.choices.values()
+    )
+    logger.info(
+        "linear products chosen by measurement (%s, %s threads, %s, %s weights): %s",
+        where,
+        table.key["threads"],
+        table.key["isa"],
+        table.key["weight_dtype"].replace("torch.", ""),
+        summary,
+    )
 
 
 def model_shapes(model: torch.nn.Module, weight_format: Optional[str] = None) -> list[ProductShape]:
     """The distinct linear weight shapes of a loaded model, the LM head marked: of its float weights, or of those
     quantized in ``weight_format``."""
-    from engine.model.layers.linear import linear_layers
 
-    def shape_of(module) -> Optional[tuple[int, int]]:
+    def shape_of(module: Any) -> Optional[tuple[int, int]]:
         quant = getattr(module, "quant_weight", None)
         if weight_format is None:
             return None if quant is not None else tuple(module.weight.shape)
@@ -280,18 +318,21 @@ def model_shapes(model: torch.nn.Module, weight_format: Optional[str] = None) ->
     shapes = {ProductShape(*shape) for shape in map(shape_of, linear_layers(model)) if shape is not None}
     head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
     ordered = sorted(shapes, key=lambda s: (s.out_features, s.in_features))
-    if head is not None and shape_of(head) is not None:
-        ordered.append(ProductShape(*shape_of(head), is_head=True))
+    head_shape = shape_of(head) if head is not None else None
+    if head_shape is not None:
+        ordered.append(ProductShape(*head_shape, is_head=True))
     return ordered
 
 
 def quantized_formats(model: torch.nn.Module) -> list[str]:
     """The formats of the model's quantized linear weights (LM head included)."""
-    return sorted({m.quant_weight.format for m in model.modules() if getattr(m, "quant_weight", None) is not None})
+    weights = [getattr(m, "quant_weight", None) for m in model.modules()]
+    return sorted({w.format for w in weights if w is not None})
 
 
-def bucketed_product(choice: ProductChoice, candidates: dict[str, ProductCandidate], weight: torch.Tensor,
-                     bias: Optional[torch.Tensor]) -> Optional[PackedProduct]:
+def bucketed_product(
+    choice: ProductChoice, candidates: dict[str, ProductCandidate], weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> Optional[PackedProduct]:
     """The product for one layer: the chosen candidate when every bucket agrees, else a row-count dispatch
     (each distinct candidate prepared once)."""
     made: dict[str, Optional[PackedProduct]] = {}
@@ -305,4 +346,4 @@ def bucketed_product(choice: ProductChoice, candidates: dict[str, ProductCandida
         return next(iter(made.values()))
     if any(p is None for _, p in products):  # a candidate that declines a weight declines it in every bucket
         return next((p for p in made.values() if p is not None), None)
-    return BucketedProduct(weight.shape[1], products)
+    return BucketedProduct(weight.shape[1], [(rows, p) for rows, p in products if p is not None])

@@ -1,4 +1,5 @@
 """Rotary position embeddings (GPT-NeoX layout) with default, linear and llama3 frequency scaling."""
+
 from __future__ import annotations
 
 import math
@@ -59,9 +60,9 @@ def _rope_table(rotary_dim: int, max_position: int, base: float, scaling: Option
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         positions = torch.arange(max_position, dtype=torch.float32)
         rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-        if rope_type == "llama3":
+        if rope_type == "llama3" and scaling:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif rope_type == "linear":
+        elif rope_type == "linear" and scaling:
             positions = positions / scaling["factor"]
         elif rope_type is not None:
             raise ValueError(f"rope scaling type '{rope_type}' is not supported (default, linear, llama3)")
@@ -73,8 +74,14 @@ def _rope_table(rotary_dim: int, max_position: int, base: float, scaling: Option
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to flattened q [T, H*D] and k [T, Hkv*D] at given positions."""
 
-    def __init__(self, head_size: int, max_position: int, base: float, scaling: Optional[dict[str, Any]] = None,
-                 rotary_dim: Optional[int] = None):
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        base: float,
+        scaling: Optional[dict[str, Any]] = None,
+        rotary_dim: Optional[int] = None,
+    ):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size

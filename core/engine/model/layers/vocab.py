@@ -1,4 +1,5 @@
 """Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_group
-from engine.quantization.formats import QuantizedWeight, cat_rows, dequantize
+from engine.model.layers.linear import set_quantized_weight
+from engine.model.quant_formats import QuantizedWeight, cat_rows, dequantize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -20,24 +22,25 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp.rank * self.vocab_per_rank
         self.vocab_end = min(self.vocab_start + self.vocab_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False)
-        self.weight.data[self.vocab_end - self.vocab_start:].zero_()  # the last rank's padding rows
-        self.weight.weight_loader = self.weight_loader
+        self.weight.data[self.vocab_end - self.vocab_start :].zero_()  # the last rank's padding rows
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # read by weight_loader_of
         self.quant_weight: QuantizedWeight | None = None  # a packed table (GGUF), looked up row by row
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = self.vocab_end - self.vocab_start
         if isinstance(loaded, QuantizedWeight):
-            from engine.model.layers.linear import set_quantized_weight
-
             table = loaded.narrow(0, self.vocab_start, rows)
             if rows < self.vocab_per_rank:  # padding rows of zero blocks (zero scales)
-                pad = QuantizedWeight(table.format, (self.vocab_per_rank - rows, table.shape[1]),
-                                      torch.zeros(self.vocab_per_rank - rows, table.data.shape[1], dtype=table.data.dtype),
-                                      None if table.scales is None else torch.zeros(self.vocab_per_rank - rows))
+                pad = QuantizedWeight(
+                    table.format,
+                    (self.vocab_per_rank - rows, table.shape[1]),
+                    torch.zeros(self.vocab_per_rank - rows, table.data.shape[1], dtype=table.data.dtype),
+                    None if table.scales is None else torch.zeros(self.vocab_per_rank - rows),
+                )
                 table = cat_rows([table, pad])
             set_quantized_weight(self, table)
             return
-        param.data[:rows].copy_(loaded[self.vocab_start:self.vocab_end])
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is None:

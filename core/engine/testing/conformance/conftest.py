@@ -1,4 +1,5 @@
 """Fixtures of the conformance kit: the implementation under test, a tiny random model and its reference."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Light on purpose: it is loaded by every pytest run in an environment where ``engine`` is installed, so it
 imports nothing heavy and only parametrizes the kit's own tests.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,31 @@ OPTIONS = {  # fixture name -> (option, what it names)
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("engine", "engine plugin conformance kit (engine.testing.conformance)")
     for option, what in OPTIONS.values():
-        group.addoption(option, action="append", default=[], metavar="NAME",
-                        help=f"check {what} against the plugin contract (repeatable)")
-    group.addoption("--engine-logits-processor-params", default=None, metavar="JSON",
-                    help="SamplingParams keywords that make the named logits processors act, e.g. "
-                         '\'{"extra_args": {"force_token": 5}}\' (built-ins need none)')
-    group.addoption("--engine-tensor-parallel-size", type=int, default=1, metavar="N",
-                    help="ranks for the executor check (default 1)")
+        group.addoption(
+            option,
+            action="append",
+            default=[],
+            metavar="NAME",
+            help=f"check {what} against the plugin contract (repeatable)",
+        )
+    group.addoption(
+        "--engine-logits-processor-params",
+        default=None,
+        metavar="JSON",
+        help="SamplingParams keywords that make the named logits processors act, e.g. "
+        '\'{"extra_args": {"force_token": 5}}\' (built-ins need none)',
+    )
+    group.addoption(
+        "--engine-tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks for the executor check (default 1)",
+    )
 
 
 def pytest_generate_tests(metafunc) -> None:
-    for fixture, (option, what) in OPTIONS.items():
+    for fixture, (option, _what) in OPTIONS.items():
         if fixture in metafunc.fixturenames:
             names = metafunc.config.getoption(option.lstrip("-").replace("-", "_"))
             metafunc.parametrize(fixture, names or [None], ids=[str(n) for n in names] or [f"no {option}"])

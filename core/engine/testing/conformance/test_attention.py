@@ -1,6 +1,7 @@
 """An attention backend gives the float64 reference's outputs and fills the paged cache, on mixed batches
 (prefills, decodes, chunks after cached prefixes) with MHA / GQA / MQA, sliding windows, soft-capping,
 block sizes 16 and 32, in float32 and bfloat16. A case the backend declares unsupported is skipped."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,12 @@ from engine.testing.conformance.conftest import implementation
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_attention_matches_the_reference(attention_name, block_size, heads, variant, dtype):
     backend = implementation("attention", attention_name).cls
-    device = "cuda" if torch.cuda.is_available() and "cuda" in getattr(backend, "supported_devices", ("cuda",)) else "cpu"
+    device = (
+        "cuda" if torch.cuda.is_available() and "cuda" in getattr(backend, "supported_devices", ("cuda",)) else "cpu"
+    )
     why_not = unsupported(backend, block_size, variant) or (
-        None if dtype in backend.supported_dtypes else f"{backend.name} does not support {dtype}")
+        None if dtype in backend.supported_dtypes else f"{backend.name} does not support {dtype}"
+    )
     if why_not:
         pytest.skip(why_not)
     check_backend(backend, device, block_size, *heads, variant, dtype)

@@ -1,5 +1,6 @@
 """Executors, KV-cache coordinators and model families end to end: the tiny model (or yours) gives
 transformers' greedy tokens through them, and every KV block goes back to the pool, aborts included."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,14 +16,17 @@ PREFIXED = [SHARED + tail for tail in random_prompts(3, (2, 12), seed=5)]
 def generate_and_check(llm, hf_model, prompts, max_tokens=8):
     from engine import SamplingParams
 
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts, max_tokens)
 
 
 def assert_all_blocks_free(llm):
     stats = llm.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks and not stats.num_running_reqs and not stats.num_waiting_reqs, stats
+    assert (
+        stats.num_free_blocks == stats.num_total_blocks and not stats.num_running_reqs and not stats.num_waiting_reqs
+    ), stats
 
 
 def abort_midway(llm):
@@ -55,8 +59,14 @@ def test_coordinator_returns_every_block(kv_cache_coordinator_name, kv_blocks, t
     from engine import LLM
 
     implementation("kv_cache_coordinator", kv_cache_coordinator_name)
-    llm = LLM(tiny_model, dtype="float32", kv_cache_coordinator=kv_cache_coordinator_name, max_model_len=128,
-              num_gpu_blocks_override=kv_blocks, max_num_batched_tokens=64)
+    llm = LLM(
+        tiny_model,
+        dtype="float32",
+        kv_cache_coordinator=kv_cache_coordinator_name,
+        max_model_len=128,
+        num_gpu_blocks_override=kv_blocks,
+        max_num_batched_tokens=64,
+    )
     try:
         generate_and_check(llm, hf_tiny_model, PREFIXED + PROMPTS[:3])  # shared prefixes, preemption when tight
         generate_and_check(llm, hf_tiny_model, PREFIXED)  # again: prefix hits where the coordinator serves them

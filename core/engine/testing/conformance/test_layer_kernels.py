@@ -1,10 +1,12 @@
 """Layer kernels match the built-in ``native`` torch ops (RMSNorm, fused add + RMSNorm, SiLU-and-multiply,
 RoPE, packed linear products), in float32 and bfloat16."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.testing import inspect
 from engine.testing.conformance.conftest import implementation
 
 
@@ -26,15 +28,17 @@ def test_elementwise_kernels_match_native(kernels, dtype):
     x = torch.randn(7, 96, generator=gen).to(dtype)
     residual = torch.randn(7, 96, generator=gen).to(dtype)
     weight = torch.rand(96, generator=gen).to(dtype) + 0.5
-    torch.testing.assert_close(kernels.rms_norm(x.clone(), weight, 1e-6), native.rms_norm(x.clone(), weight, 1e-6),
-                               **tolerance(dtype))
+    torch.testing.assert_close(
+        kernels.rms_norm(x.clone(), weight, 1e-6), native.rms_norm(x.clone(), weight, 1e-6), **tolerance(dtype)
+    )
     got = kernels.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
     want = native.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tolerance(dtype))
     gate_up = torch.randn(7, 2 * 96, generator=gen).to(dtype)
-    torch.testing.assert_close(kernels.silu_and_mul(gate_up.clone()), native.silu_and_mul(gate_up.clone()),
-                               **tolerance(dtype))
+    torch.testing.assert_close(
+        kernels.silu_and_mul(gate_up.clone()), native.silu_and_mul(gate_up.clone()), **tolerance(dtype)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -71,7 +75,7 @@ def test_packed_products_equal_the_plain_product(kernels):
 def test_quantized_products_match_dequantize_then_multiply(kernels, fmt):
     """Every product the kernels offer on packed weights (``quantized_product_candidates``) equals the de-quantized
     weight's product, within the rounding of activations quantized per block of 32 to int8 (integer kernels)."""
-    from engine.quantization.formats import dequantize, quantize
+    from engine.model.quant_formats import dequantize, quantize
 
     gen = torch.Generator().manual_seed(1)
     weight = quantize(torch.randn(40, 96, generator=gen) * 0.05, fmt)
@@ -98,12 +102,19 @@ def test_a_captured_decode_step_gives_the_eager_bits(layer_kernels_name, tiny_mo
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     results, captured = {}, {}
     for enforce_eager in (True, False):
-        llm = LLM(model=tiny_model, layer_kernels=layer_kernels_name, dtype="float32", kv_cache_memory="32MiB",
-                  enforce_eager=enforce_eager)
-        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        llm = LLM(
+            model=tiny_model,
+            layer_kernels=layer_kernels_name,
+            dtype="float32",
+            kv_cache_memory="32MiB",
+            enforce_eager=enforce_eager,
+        )
+        runner = inspect(llm).model_runner
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[enforce_eager] = [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
-                                                            for d in o.outputs[0].logprobs]) for o in outputs]
+        results[enforce_eager] = [
+            (o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+            for o in outputs
+        ]
         captured[enforce_eager] = (runner.decode_step is not None, runner.num_captured_steps)
         llm.shutdown()
     if not captured[False][0]:

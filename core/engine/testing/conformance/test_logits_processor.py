@@ -1,5 +1,6 @@
 """A logits processor asks for the requests it names, acts on their rows only, and treats each row on its
 own (the same request gives the same row whatever its place in the batch)."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,9 @@ def processor_and_params(logits_processor_name, request):
     impl = implementation("logits_processor", logits_processor_name)
     kwargs = logits_processor_params(request.config) or BUILTIN_TRIGGERS.get(logits_processor_name)
     if kwargs is None:
-        pytest.fail(f"say which SamplingParams make {logits_processor_name!r} act: --engine-logits-processor-params JSON")
+        pytest.fail(
+            f"say which SamplingParams make {logits_processor_name!r} act: --engine-logits-processor-params JSON"
+        )
     return impl.create(VllmConfig.load()), SamplingParams(**kwargs)
 
 

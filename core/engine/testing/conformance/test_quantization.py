@@ -1,25 +1,30 @@
 """A quantization method keeps the model's answers: the weights it packs de-quantize close to the float ones, and
 greedy decoding agrees with the float model (top-5 agreement where two greedy sequences part)."""
+
 from __future__ import annotations
 
+from engine.testing import inspect
 from engine.testing.conformance.conftest import implementation
 
 
 def _model(llm):
-    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    return inspect(llm).model
 
 
 def test_quantized_weights_and_greedy_decoding_stay_close(quantization_name, tiny_model):
     from engine import LLM, SamplingParams
-    from engine.quantization.formats import QuantizedWeight, dequantize
+    from engine.model.quant_formats import QuantizedWeight, dequantize
 
     implementation("quantization", quantization_name, model=tiny_model)
     common = dict(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", executor="uniproc")
     prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(12)]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True)
     reference = LLM(quantization="none", **common)
-    floats = {name: m.weight.detach().clone() for name, m in _model(reference).named_modules()
-              if hasattr(m, "weight") and getattr(m.weight, "dim", lambda: 0)() == 2}
+    floats = {
+        name: m.weight.detach().clone()
+        for name, m in _model(reference).named_modules()
+        if hasattr(m, "weight") and getattr(m.weight, "dim", lambda: 0)() == 2
+    }
     expected = reference.generate(prompts, params, use_tqdm=False)
     reference.shutdown()
     llm = LLM(quantization=quantization_name, **common)

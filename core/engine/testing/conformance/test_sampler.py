@@ -1,5 +1,6 @@
 """A sampler samples the tempered distribution (chi-square), keeps greedy rows greedy, honours top-k and
 top-p, and gives a seeded row the same token whatever else shares its batch."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,11 +21,17 @@ def metadata(rows: int, temperature, top_k=None, top_p=None, seeds: dict | None 
     seed_column = torch.zeros(rows, dtype=torch.int64)
     for row, seed in (seeds or {}).items():
         seeded[row], seed_column[row] = True, seed
-    return SamplingMetadata(temps, None if top_k is None else torch.full((rows,), top_k),
-                            None if top_p is None else torch.full((rows,), top_p), bool(greedy.all()),
-                            not bool(greedy.any()), [f"r{i}" for i in range(rows)],
-                            seed_column if seeds else None, seeded if seeds else None,
-                            torch.full((rows,), output_index) if seeds else None)
+    return SamplingMetadata(
+        temps,
+        None if top_k is None else torch.full((rows,), top_k),
+        None if top_p is None else torch.full((rows,), top_p),
+        bool(greedy.all()),
+        not bool(greedy.any()),
+        [f"r{i}" for i in range(rows)],
+        seed_column if seeds else None,
+        seeded if seeds else None,
+        torch.full((rows,), output_index) if seeds else None,
+    )
 
 
 @pytest.fixture
@@ -49,7 +56,9 @@ def test_samples_the_tempered_distribution(sampler, temperature):
     observed, expected = counts[keep], expected[keep]
     if not keep.all():
         observed = torch.cat([observed, counts[~keep].sum().unsqueeze(0)])
-        expected = torch.cat([expected, (torch.softmax(LOGITS.double() / temperature, dim=0) * ROWS)[~keep].sum().unsqueeze(0)])
+        expected = torch.cat(
+            [expected, (torch.softmax(LOGITS.double() / temperature, dim=0) * ROWS)[~keep].sum().unsqueeze(0)]
+        )
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-4
 
 

@@ -1,5 +1,6 @@
 """A sampler that ignores temperature and a logits processor that touches every row: the conformance kit
 (engine.testing.conformance) must fail both."""
+
 from engine import hookimpl
 from engine.interfaces.logits_processor import LogitsProcessor
 from engine.interfaces.sampler import Sampler, SamplerOutput

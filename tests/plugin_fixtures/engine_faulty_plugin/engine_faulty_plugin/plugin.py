@@ -3,6 +3,7 @@
 It stands for any per-request failure inside the engine core (a third-party processor, a sampler, a
 kernel that rejects one request's shape): the engine must end that request alone and serve the others.
 """
+
 from engine import hookimpl
 from engine.interfaces.logits_processor import LogitsProcessor
 

@@ -2,6 +2,7 @@
 ``speculative.options.reference``: prompt token ids joined by commas -> output token ids) and drafts it,
 with one draft made wrong every ``speculative.options.corrupt_every`` proposals, so that the engine's
 verification sees long accepted runs, rejections at every position, and bonus tokens."""
+
 import json
 
 import engine
@@ -30,10 +31,10 @@ class OracleProposer(Proposer):
             num_prompt = int(batch.num_prompt_tokens[i])
             reference = self.reference.get(",".join(map(str, tokens[:num_prompt])))
             output = tokens[num_prompt:]
-            if reference is None or reference[:len(output)] != output:
+            if reference is None or reference[: len(output)] != output:
                 drafts.append([])
                 continue
-            guess = reference[len(output):len(output) + int(batch.max_num_drafts[i])]
+            guess = reference[len(output) : len(output) + int(batch.max_num_drafts[i])]
             self.num_proposals += 1
             if guess and self.num_proposals % self.corrupt_every == 0:
                 wrong = self.num_proposals // self.corrupt_every % len(guess)

@@ -3,6 +3,7 @@
 It declares contract 1.1 on purpose: its logits processor and sampler use the pre-1.3 views
 (``LogitsRequestView`` lists, seeded ``generators``) and must keep working through the adapters.
 """
+
 from collections import Counter
 
 import torch

@@ -1,4 +1,5 @@
 """/v1/chat/completions: a conversation through the model's chat template, streamed or not."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,7 @@ from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from engine.entrypoints.openai.serving import OpenAIServing, get_serving
 from engine.entrypoints.openai.streaming import stream_choices, usage
-from engine.entrypoints.openai.tool_calls import ToolCallPlan, select_tool_parser
+from engine.entrypoints.openai.tool_calls import ToolCallPlan, ToolCallStreamer, select_tool_parser
 
 router = APIRouter()
 
@@ -24,16 +25,28 @@ def chat_logprobs(completion, num_top: int, start: int = 0) -> Optional[dict]:
     for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
         chosen = entry[token_id]
         token = chosen.decoded_token or ""
-        content.append({"token": token, "logprob": chosen.logprob, "bytes": list(token.encode()),
-                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
-                                          "bytes": list((lp.decoded_token or "").encode())}
-                                         for lp in sorted(entry.values(), key=lambda x: -x.logprob)][:num_top]})
+        content.append(
+            {
+                "token": token,
+                "logprob": chosen.logprob,
+                "bytes": list(token.encode()),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": lp.logprob,
+                        "bytes": list((lp.decoded_token or "").encode()),
+                    }
+                    for lp in sorted(entry.values(), key=lambda x: -x.logprob)
+                ][:num_top],
+            }
+        )
     return {"content": content}
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, http_request: Request,
-                           serving: OpenAIServing = Depends(get_serving)):
+async def chat_completions(
+    body: ChatCompletionRequest, http_request: Request, serving: OpenAIServing = Depends(get_serving)
+):
     engine = serving.get_engine()
     serving.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
@@ -43,41 +56,76 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request,
     plan = ToolCallPlan(body, select_tool_parser(serving.config) if body.tools else None)
     tool_constraint = plan.constraint()
     if tool_constraint is not None and body.constraint() is not None:
-        raise APIError(f"tool_choice {plan.mode!r} constrains the output to a tool call; it cannot be combined with "
-                       "response_format or structured_outputs", 400, "tool_choice")
-    prompt_ids = await asyncio.to_thread(serving.chat_prompt_ids, engine, body.messages, body.add_generation_prompt,
-                                         body.chat_template, plan.template_tools)
+        raise APIError(
+            f"tool_choice {plan.mode!r} constrains the output to a tool call; it cannot be combined with "
+            "response_format or structured_outputs",
+            400,
+            "tool_choice",
+        )
+    prompt_ids = await asyncio.to_thread(
+        serving.chat_prompt_ids,
+        engine,
+        body.messages,
+        body.add_generation_prompt,
+        body.chat_template,
+        plan.template_tools,
+    )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, engine.model_info.max_model_len - len(prompt_ids))
-    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max,
-                                  tool_constraint)
+    params = body.sampling_params(
+        max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max, tool_constraint
+    )
     prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
-    await serving.validate_off_loop(engine, [prompt], params)
     request_id = random_id("chatcmpl")
+    prepared = await serving.prepare_off_loop(engine, [prompt], params, request_id)
     header = {"id": request_id, "object": "chat.completion", "created": now(), "model": serving.model_name}
     num_top = body.top_logprobs or 0
 
     if not body.stream:
-        output = (await serving.final_outputs(engine, [prompt], params, request_id, http_request))[0]
+        output = (await serving.final_outputs(engine, prepared, http_request))[0]
         choices = []
         for c in output.outputs:
             message, called = plan.message(c.text, engine.tokenizer)
-            choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, num_top),
-                            "finish_reason": plan.finish_reason(c.finish_reason, called), "stop_reason": c.stop_reason})
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(c, num_top),
+                    "finish_reason": plan.finish_reason(c.finish_reason, called),
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {**header, "choices": choices, "usage": usage([output])}
 
-    streamers = {}  # choice index -> its ToolCallStreamer
+    streamers: dict[int, ToolCallStreamer] = {}  # choice index -> its ToolCallStreamer
 
     def choice(index: int, completion, text: str, start: int) -> dict:
         streamer = streamers.setdefault(index, plan.streamer(engine.tokenizer))
         finished = completion.finish_reason is not None
-        delta = streamer.delta(text, completion.text[:len(completion.text) - len(text)], completion.text, finished)
-        return {"index": index, "delta": delta, "logprobs": chat_logprobs(completion, num_top, start),
-                "finish_reason": plan.finish_reason(completion.finish_reason, streamer.called)}
+        delta = streamer.delta(text, completion.text[: len(completion.text) - len(text)], completion.text, finished)
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": chat_logprobs(completion, num_top, start),
+            "finish_reason": plan.finish_reason(completion.finish_reason, streamer.called),
+        }
 
-    roles = [{"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}]} for i in range(params.n)]
+    roles = [
+        {
+            "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ]
+        }
+        for i in range(params.n)
+    ]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = stream_choices(serving.merged(engine, [prompt], params, request_id), params.n,
-                            {**header, "object": "chat.completion.chunk"}, choice, include_usage, request_id, roles)
+    events = stream_choices(
+        serving.merged(engine, prepared),
+        params.n,
+        {**header, "object": "chat.completion.chunk"},
+        choice,
+        include_usage,
+        request_id,
+        roles,
+    )
     return StreamingResponse(events, media_type="text/event-stream")

@@ -1,4 +1,5 @@
 """/v1/completions: one or several prompts (text or token ids), n sequences each, streamed or not."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,16 +36,20 @@ def choice_logprobs(engine, completion, num_top: Optional[int], start: int = 0) 
         return None
     entries = completion.logprobs[start:]
     token_ids = completion.token_ids[start:]
-    tokens = [engine.output_processor.decode_token(t) for t in token_ids]
+    tokens = [engine.decode_token(t) for t in token_ids]
     offsets, offset = [], 0
     for token in tokens:
         offsets.append(offset)
         offset += len(token or "")
-    return {"tokens": tokens,
-            "token_logprobs": [entry[t].logprob for entry, t in zip(entries, token_ids)],
-            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda x: -x.logprob)[:num_top]}
-                             for entry in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry[t].logprob for entry, t in zip(entries, token_ids)],
+        "top_logprobs": [
+            {lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda x: -x.logprob)[:num_top]}
+            for entry in entries
+        ],
+        "text_offset": offsets,
+    }
 
 
 @router.post("/v1/completions")
@@ -57,22 +62,34 @@ async def completions(body: CompletionRequest, http_request: Request, serving: O
         raise APIError("logprobs must be at most 5 for completions", 400, "logprobs")
     params = body.sampling_params(body.max_tokens, body.logprobs, 16)
     prompts = await serving.tokenized(engine, completion_prompts(body.prompt))
-    await serving.validate_off_loop(engine, prompts, params)
     request_id = random_id("cmpl")
+    prepared = await serving.prepare_off_loop(engine, prompts, params, request_id)
     header = {"id": request_id, "object": "text_completion", "created": now(), "model": serving.model_name}
 
     if not body.stream:
-        outputs = await serving.final_outputs(engine, prompts, params, request_id, http_request)
-        choices = [{"index": i * params.n + c.index, "text": c.text, "logprobs": choice_logprobs(engine, c, body.logprobs),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for i, out in enumerate(outputs) for c in out.outputs]
+        outputs = await serving.final_outputs(engine, prepared, http_request)
+        choices = [
+            {
+                "index": i * params.n + c.index,
+                "text": c.text,
+                "logprobs": choice_logprobs(engine, c, body.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for i, out in enumerate(outputs)
+            for c in out.outputs
+        ]
         return {**header, "choices": choices, "usage": usage(outputs)}
 
     def choice(index: int, completion, text: str, start: int) -> dict:
-        return {"index": index, "text": text, "logprobs": choice_logprobs(engine, completion, body.logprobs, start),
-                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": choice_logprobs(engine, completion, body.logprobs, start),
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = stream_choices(serving.merged(engine, prompts, params, request_id), params.n, header, choice,
-                            include_usage, request_id)
+    events = stream_choices(serving.merged(engine, prepared), params.n, header, choice, include_usage, request_id)
     return StreamingResponse(events, media_type="text/event-stream")

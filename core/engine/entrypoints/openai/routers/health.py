@@ -1,4 +1,5 @@
 """Service endpoints: /health, /version, /metrics."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """The served model and its tokenizer: /v1/models, /tokenize, /detokenize."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,18 @@ router = APIRouter()
 @router.get("/v1/models")
 async def models(serving: OpenAIServing = Depends(get_serving)):
     max_model_len = serving.get_engine().model_info.max_model_len
-    return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": now(),
-                                        "owned_by": "engine", "max_model_len": max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": serving.model_name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "engine",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }
 
 
 @router.post("/tokenize")
@@ -26,7 +37,9 @@ async def tokenize(body: TokenizeRequest, serving: OpenAIServing = Depends(get_s
     if body.messages is not None:
         tokens = await asyncio.to_thread(serving.chat_prompt_ids, engine, body.messages, True, None)
     elif body.prompt is not None:
-        tokens = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await asyncio.to_thread(
+            engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        )
     else:
         raise APIError("give 'prompt' or 'messages'", 400, "prompt")
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.model_info.max_model_len}

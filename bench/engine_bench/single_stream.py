@@ -1,0 +1,96 @@
+"""Single-stream speed as llama.cpp's ``llama-bench`` reports it: prompt processing of ``input_len`` tokens (pp) and
+generation of ``output_len`` tokens one at a time (tg), for the engine and, side by side, for ``llama-bench`` run
+on the same GGUF file with the same lengths and threads."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from engine_bench.peers import run_watched
+from engine_bench.stats import peak_rss_mib
+
+
+def run_single_stream(overrides: dict[str, Any], input_len: int, output_len: int, iterations: int) -> dict:
+    """The engine's pp (tokens/s of an ``input_len`` prompt, to its first token) and tg (tokens/s of ``output_len``
+    greedy tokens after a 16-token prompt, the prompt's time taken out), the median of ``iterations`` runs."""
+    from engine import LLM, SamplingParams
+    from engine_bench.workloads import random_workload
+
+    llm = LLM(**overrides)
+    long_prompt = {"prompt_token_ids": random_workload(1, input_len, 1)[0].prompt}
+    short_prompt = {"prompt_token_ids": random_workload(1, 16, 1, seed=1)[0].prompt}
+
+    def timed(prompt, max_tokens: int) -> float:
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(short_prompt, 8)  # warm-up: first-call allocations
+    pp, tg = [], []
+    for _ in range(iterations):
+        pp.append(input_len / timed(long_prompt, 1))
+        tg.append(output_len / max(1e-9, timed(short_prompt, output_len + 1) - timed(short_prompt, 1)))
+    llm.shutdown()
+    return {
+        "prompt_tok_s": round(statistics.median(pp), 1),
+        "decode_tok_s": round(statistics.median(tg), 1),
+        "prompt_runs": [round(v, 1) for v in pp],
+        "decode_runs": [round(v, 1) for v in tg],
+        "peak_rss_mib": peak_rss_mib(),
+    }
+
+
+def run_llama_bench(
+    binary: str,
+    model: str,
+    input_len: int,
+    output_len: int,
+    threads: int,
+    repetitions: int = 5,
+    timeout_s: float = 1800,
+) -> dict:
+    """``llama-bench -m model -t threads -p input_len -n output_len -r repetitions -o jsonl``: its pp and tg tokens/s
+    (mean over its repetitions) and the peak resident memory of its process."""
+    for path, flag in ((binary, "--peer-binary"), (model, "--peer-model")):
+        if not path or not os.path.exists(path):
+            raise ValueError(f"{flag}: {path!r} does not exist")
+    if not model.endswith(".gguf"):
+        raise ValueError(f"--peer-model: llama.cpp reads GGUF files, got {model}")
+    command = [
+        binary,
+        "-m",
+        model,
+        "-t",
+        str(threads),
+        "-p",
+        str(input_len),
+        "-n",
+        str(output_len),
+        "-r",
+        str(repetitions),
+        "-o",
+        "jsonl",
+    ]
+    lines, peak = run_watched(command, timeout_s=timeout_s, poll_s=0.2)
+    rows = [json.loads(line) for line in lines]
+    result: dict[str, Any] = {"command": " ".join(command), "peak_rss_mib": round(peak / 2**20, 1)}
+    for row in rows:
+        if row.get("n_prompt") and not row.get("n_gen"):
+            result["prompt_tok_s"] = round(float(row["avg_ts"]), 1)
+        elif row.get("n_gen") and not row.get("n_prompt"):
+            result["decode_tok_s"] = round(float(row["avg_ts"]), 1)
+        result.setdefault("build", row.get("build_commit"))
+        result.setdefault("model_type", row.get("model_type"))
+    return result
+
+
+def compare(engine: dict, peer: dict) -> dict:
+    """engine / llama.cpp for pp and tg."""
+    return {
+        f"{key}_ratio": round(engine[key] / peer[key], 2) for key in ("prompt_tok_s", "decode_tok_s") if peer.get(key)
+    }

@@ -1,0 +1,245 @@
+"""EngineCore: the busy loop's body. Schedule, execute through the executor, update, report."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Optional
+
+from engine.config import ConfigError, VllmConfig
+from engine.errors import EngineDeadError
+from engine.hookspecs import KINDS
+from engine.interfaces.base import SelectionContext
+from engine.kv_cache.spec import make_kv_cache_config
+from engine.lifetime import freeze_gc_heap, release_gc_heap
+from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine.model.loader import get_model_class
+from engine.model.model_info import ModelInfo, resolve_model
+from engine.plugins import get_plugin_manager
+from engine.scheduler.output import SchedulerOutput
+from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.scheduler import Scheduler
+from engine.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
+    """Choose every single-choice plugin before any weight is loaded; ConfigError if one cannot run."""
+    plugins = get_plugin_manager()
+    ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=len(set(model_info.layer_sliding_windows)))
+    requested = {
+        kind.name: vllm_config.get_key(kind.config_key)
+        for kind in KINDS.values()
+        if kind.config_key and kind.selected_at_start and vllm_config.get_key(kind.config_key) != kind.off_value
+    }
+    chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
+    for kind, impl in chosen.items():
+        why = "as configured" if requested[kind] != "auto" else "auto: highest-priority available"
+        logger.info("plugin %-21s %-10s from %s (%s)", kind, impl.name, impl.source, why)
+    processors = plugins.active("logits_processor", ctx)
+    logger.info("plugin %-21s %s", "logits_processor", ", ".join(f"{p.name} ({p.source})" for p in processors))
+    return chosen
+
+
+def check_pipeline_parallel(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
+    """ConfigError unless the model can be cut into ``parallel.pipeline_parallel_size`` stages."""
+    pp = vllm_config.parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    model_cls = get_model_class(model_info.architecture)
+    if not getattr(model_cls, "supports_pp", False):
+        raise ConfigError(
+            f"parallel.pipeline_parallel_size={pp}: the model class {model_cls.__qualname__} "
+            f"({model_info.architecture}) does not support pipeline parallelism (it must set "
+            "supports_pp and take intermediate_tensors); use parallel.pipeline_parallel_size=1"
+        )
+    num_layers = model_info.hf_config.num_hidden_layers
+    if pp > num_layers:
+        raise ConfigError(
+            f"parallel.pipeline_parallel_size={pp} exceeds the model's {num_layers} layers: every "
+            f"stage holds at least one; choose at most {num_layers}"
+        )
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; one ``step`` is one forward pass of the batch.
+
+    A request whose processing raises fails alone: a bad request at ``add_request`` is answered with an
+    error output at once; a step that raises is rolled back (its requests preempted) and its requests
+    rerun one per step until the failure names one of them, which finishes with ``finish_reason="error"``.
+    Only ``EngineDeadError`` (a dead worker, a failed collective) ends the engine.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, model_info: Optional[ModelInfo] = None):
+        start = time.perf_counter()
+        self.vllm_config = vllm_config
+        self.model_info = model_info or resolve_model(vllm_config.model)
+        self.plugins = select_plugins(vllm_config, self.model_info)
+        check_pipeline_parallel(vllm_config, self.model_info)
+        choices = {kind: impl.name for kind, impl in self.plugins.items()}
+        self.executor = self.plugins["executor"].cls(vllm_config, choices)
+        stage_specs = self.executor.get_kv_cache_stage_specs()
+        kv_specs = {name: spec for specs in stage_specs for name, spec in specs.items()}
+        self.kv_cache_config = make_kv_cache_config(
+            kv_specs,
+            int(vllm_config.cache.kv_cache_memory),  # validated into bytes
+            vllm_config.cache.num_gpu_blocks_override,
+            self.model_info.max_model_len,
+            [set(specs) for specs in stage_specs],
+        )
+        self.executor.initialize_kv_cache(self.kv_cache_config)
+        self.structured_output_manager = StructuredOutputManager(vllm_config, self.model_info)
+        self.scheduler = Scheduler(
+            vllm_config,
+            self.kv_cache_config,
+            self.plugins["kv_cache_coordinator"].cls,
+            self.model_info.max_model_len,
+            self.structured_output_manager,
+        )
+        self.batch_queue: deque = deque()
+        self.in_flight: list[SchedulerOutput] = []  # steps scheduled whose results are not applied yet
+        self.error_outputs: list[EngineCoreOutput] = []  # requests that failed, to report with the next step
+        # async scheduling: one step runs on a thread while the next is planned; pipeline parallelism: the
+        # executor runs one step per stage at once (vLLM's batch queue)
+        self.exec_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="execute") if vllm_config.scheduler.async_scheduling else None
+        )
+        self.batch_queue_size = 2 if self.exec_thread is not None else self.executor.max_concurrent_batches
+        freeze_gc_heap()
+        logger.info("engine core ready in %.1fs", time.perf_counter() - start)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self._check_request(request)
+            self.scheduler.add_request(
+                Request(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    request.eos_token_id,
+                    self.kv_cache_config.block_size,
+                    request.cache_salt,
+                    request.arrival_time,
+                )
+            )
+        except Exception as exc:
+            logger.warning("request %s refused by the engine core: %s", request.request_id, exc)
+            self.error_outputs.append(
+                EngineCoreOutput(request.request_id, [], "error", error=f"{type(exc).__name__}: {exc}")
+            )
+
+    def _check_request(self, request: EngineCoreRequest) -> None:
+        """The front end validates; the core checks again whatever could break it (any client may send)."""
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.model_info.check_prompt_token_ids(request.prompt_token_ids)
+        vocab = self.model_info.vocab_size
+        if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab:
+            raise ValueError(f"eos_token_id must lie in [0, {vocab})")
+        request.sampling_params.validate_for_model(vocab, self.vllm_config.model.max_logprobs)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        """One step; a failure that can be pinned to requests fails them, not the engine."""
+        try:
+            outputs = self.step_with_batch_queue() if self.batch_queue_size > 1 else self._step()
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            outputs = self._recover_from_failed_step(exc)
+        if self.scheduler.error_outputs:
+            self.error_outputs += self.scheduler.error_outputs
+            self.scheduler.error_outputs = []
+        if self.error_outputs:
+            outputs.outputs[:0], self.error_outputs = self.error_outputs, []
+        elif not outputs.outputs and self.scheduler.num_waiting_for_grammar():
+            time.sleep(0.0005)  # only grammars compiling: leave the compile thread the CPU instead of spinning
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs([], self.scheduler.make_stats())
+        scheduler_output = self.scheduler.schedule()
+        self.in_flight.append(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.in_flight.clear()
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Keep up to ``batch_queue_size`` steps in flight: plan and submit a step while there is room and work
+        the in-flight steps do not cover (a request whose sampled token is still in flight waits), otherwise
+        apply the oldest step's output."""
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                if self.exec_thread is not None:
+                    future = self.exec_thread.submit(self.executor.execute_model, scheduler_output)
+                else:
+                    future = self.executor.execute_model(scheduler_output, non_block=True)
+                self.batch_queue.append((scheduler_output, future))
+                self.in_flight.append(scheduler_output)
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return EngineCoreOutputs([], self.scheduler.make_stats())  # let the next step be planned
+            else:  # nothing to run now: the workers learn of finished requests with the next step
+                self.scheduler.finished_req_ids.update(scheduler_output.finished_req_ids)
+        if not self.batch_queue:
+            return EngineCoreOutputs([], self.scheduler.make_stats())
+        scheduler_output, future = self.batch_queue[0]
+        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        self.batch_queue.popleft()
+        self.in_flight.remove(scheduler_output)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def _recover_from_failed_step(self, exc: Exception) -> EngineCoreOutputs:
+        """Pin a step's failure on its requests: one request fails; several are rolled back and isolated."""
+        for _, future in self.batch_queue:  # steps planned on top of the failed one: wait, drop their results
+            try:
+                future.result()
+            except Exception:
+                pass
+        self.batch_queue.clear()
+        failed, self.in_flight = self.in_flight, []
+        for output in failed:
+            self.scheduler.step_done(output)
+        suspects = list(
+            dict.fromkeys(
+                rid for output in failed for rid in output.num_scheduled_tokens if rid in self.scheduler.requests
+            )
+        )
+        if not suspects:
+            raise exc  # not a request's step (the scheduler itself): nothing to pin it on
+        for output in failed:  # the workers may not have dropped these yet
+            self.scheduler.finished_req_ids.update(output.finished_req_ids)
+        reason = f"{type(exc).__name__}: {exc}"
+        if len(suspects) == 1:
+            logger.error("request %s failed in the engine core and was ended: %s", suspects[0], reason, exc_info=exc)
+            return EngineCoreOutputs(self.scheduler.fail_requests(suspects, reason), self.scheduler.make_stats())
+        logger.warning(
+            "a step of %d requests failed (%s); rerunning them one at a time to find the request that causes it",
+            len(suspects),
+            reason,
+        )
+        self.scheduler.isolate(suspects)
+        return EngineCoreOutputs([], self.scheduler.make_stats())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self.error_outputs)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
+        if self.exec_thread is not None:
+            self.exec_thread.shutdown(wait=True)
+        self.executor.shutdown()
+        release_gc_heap()

@@ -1,0 +1,129 @@
+"""Validate and tokenize a prompt into an EngineCoreRequest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import msgspec
+
+from engine.config import VllmConfig
+from engine.errors import InvalidParameterError
+from engine.frontend.output_processor import OutputProcessor
+from engine.messages import EngineCoreRequest
+from engine.model.model_info import ModelInfo, resolve_model
+from engine.model.tokenizer import get_tokenizer
+from engine.sampling_params import SamplingParams
+from engine.structured_output.validation import StructuredOutputsValidator
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A prompt validated and tokenized once by the front end, ready for the engine core: the user request's id,
+    its prompt text (when it had one) and its engine-core requests (one per sequence when n > 1). The OpenAI
+    server prepares every prompt of a call before starting any, then hands these to ``AsyncLLM.generate``."""
+
+    request_id: str
+    prompt_text: Optional[str]
+    requests: list[EngineCoreRequest]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.requests[0].prompt_token_ids)
+
+
+class InputProcessor:
+    def __init__(self, model_info: ModelInfo, tokenizer, max_logprobs: int = 20, structured_outputs_validator=None):
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
+        self.structured_outputs_validator = structured_outputs_validator
+
+    def eos_token_id(self) -> Optional[int]:
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        return eos if eos is not None else self.model_info.eos_token_id
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, as written and with a leading space (as vLLM does)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    def check_context_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The prompt and ``max_tokens`` must fit the context (the server answers 400 as vLLM does; offline
+        generation stops at the context length instead)."""
+        max_len = self.model_info.max_model_len
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
+            raise InvalidParameterError(
+                f"SamplingParams.max_tokens too large: this model's maximum context length is {max_len} tokens, "
+                f"and {num_prompt_tokens + params.max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} in the completion); reduce the prompt or max_tokens",
+                "max_tokens",
+            )
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        cache_salt: Optional[str] = None,
+        check_context_length: bool = False,
+    ) -> PreparedRequest:
+        """Validate and tokenize one prompt. Bad input raises ValueError naming what is wrong;
+        ``check_context_length``: also refuse a prompt whose ``max_tokens`` would overrun the context (the server
+        answers 400, as vLLM does; offline generation stops at the context length instead)."""
+        text: Optional[str] = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt", cache_salt)
+            if "prompt_token_ids" in prompt:
+                token_ids = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                token_ids = self.tokenizer.encode(text)
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        self.model_info.check_prompt_token_ids(token_ids)
+        params.validate_for_model(self.model_info.vocab_size, self.max_logprobs)
+        if params.structured_outputs is not None:
+            if self.structured_outputs_validator is None:
+                raise InvalidParameterError("structured outputs are not available here", "structured_outputs")
+            self.structured_outputs_validator.validate(params.structured_outputs)
+        if check_context_length:
+            self.check_context_length(len(token_ids), params)
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        now, eos = time.monotonic(), self.eos_token_id()
+        if params.n == 1:
+            return PreparedRequest(
+                request_id, text, [EngineCoreRequest(request_id, token_ids, params, eos, now, cache_salt)]
+            )
+        # n sequences share the prompt's KV blocks through the prefix cache (ref counts, no copies)
+        sequences = [
+            EngineCoreRequest(f"{index}_{request_id}", token_ids, params.for_child(index), eos, now, cache_salt)
+            for index in range(params.n)
+        ]
+        return PreparedRequest(request_id, text, sequences)
+
+
+def build_front_end(vllm_config: VllmConfig) -> tuple[ModelInfo, Any, InputProcessor, OutputProcessor]:
+    """(model info, tokenizer, InputProcessor, OutputProcessor) for LLMEngine and AsyncLLM alike."""
+    model_info = resolve_model(vllm_config.model)
+    tokenizer = get_tokenizer(model_info)
+    validator = StructuredOutputsValidator(vllm_config, model_info)
+    return (
+        model_info,
+        tokenizer,
+        InputProcessor(model_info, tokenizer, vllm_config.model.max_logprobs, validator),
+        OutputProcessor(tokenizer),
+    )

@@ -1,0 +1,159 @@
+"""Process lifetime: every process the engine starts ends with its parent, on every exit path.
+
+A child (engine core, worker) calls ``watch_parent`` first thing, before it loads anything, so a parent
+that dies at any moment (SIGKILL during model loading included) takes the child with it; the child
+removes what it shares with the parent (the IPC folder) on its way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.process
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+logger = logging.getLogger(__name__)
+_WATCH_PERIOD_S = 0.2
+_EXIT_GRACE_S = 10.0
+
+
+def freeze_gc_heap() -> None:
+    """Collect once, then move every object alive after start-up (model, tokenizer, GGUF metadata: hundreds of
+    thousands of them) out of the garbage collector's sight, as vLLM does after start-up: otherwise each full
+    collection during serving walks them all, a tenth of a single-stream decode step's time."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def release_gc_heap() -> None:
+    """Undo ``freeze_gc_heap`` when an engine shuts down, then collect: frozen objects are never collected, so
+    an engine dropped in a long-lived process (a notebook, a test run, a server that rebuilds its engine) would
+    otherwise keep its model's reference cycles, and their tensors, for good. Another engine still alive in
+    the same process loses its freeze too; that costs it only the time of full collections, never memory."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()
+
+
+def watch_parent(parent_pid: int, name: str, cleanup: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Start a daemon thread that ends this process when ``parent_pid`` is no longer its parent.
+
+    It sends SIGTERM to this process (its handler shuts down cleanly: children, sockets, IPC files); a
+    process stuck for longer than a grace period runs ``cleanup`` and is ended with ``os._exit``.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_WATCH_PERIOD_S)
+        logger.warning("%s: the parent process %d is gone; shutting down", name, parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_EXIT_GRACE_S)
+        if cleanup is not None:
+            cleanup()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name=f"{name}-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def set_process_name(name: str) -> None:
+    """Name this process as ``ps``, ``top`` and psutil show it (Linux: the first 15 bytes; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit in the main thread, so ``finally`` blocks run."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def use_thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock is a multiprocessing semaphore, which a killed process leaks (the resource
+    tracker then warns); a child process only needs a thread lock."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def describe_exit(proc) -> str:
+    """'exit code 3' or 'killed by signal SIGKILL' for a multiprocessing Process that ended."""
+    if proc.exitcode is None:
+        proc.join(1.0)  # its sentinel fired, but the exit status is read on join
+    code = proc.exitcode
+    if code is None:
+        return "no exit status yet"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def stop_processes(procs: Iterable[Optional[multiprocessing.process.BaseProcess]], grace: float) -> None:
+    """Stop processes this one started: SIGTERM to every one still running, then up to ``grace`` seconds for each
+    to end (they stop in parallel), then SIGKILL and reap what is left. Never-started and None entries are skipped."""
+    started = [proc for proc in procs if proc is not None and proc.pid is not None]
+    for proc in started:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in started:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in started:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def remove_ipc_dir(path: Optional[str]) -> None:
+    """Remove an ``engine-ipc-*`` folder and its socket files; quiet if already gone."""
+    if path and os.path.basename(path).startswith("engine-ipc-"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def start_process(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start a spawned process without re-importing the parent's ``__main__`` in it.
+
+    Spawn re-runs the parent's main script in every child (so that functions defined there can be
+    unpickled); the engine's process targets live in importable modules, so that is only a cost, and a
+    trap: a script that builds an engine at module level, without ``if __name__ == "__main__":``, would
+    build another one in every child. Hiding the main module's path while the child's preparation data is
+    taken (inside ``start``) leaves the child's ``__main__`` alone, as in an interactive session.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        proc.start()
+        return
+    saved_file, saved_spec = main.__dict__.get("__file__", _MISSING), getattr(main, "__spec__", None)
+    try:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+        proc.start()
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not _MISSING:
+            main.__file__ = saved_file
+
+
+_MISSING = object()

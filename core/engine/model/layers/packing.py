@@ -1,0 +1,49 @@
+"""Packing a loaded model's products: every linear layer and the LM head get the product the layer kernels
+prepare for their weights (quantized weights through ``pack_quantized``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from engine.model.layers.gemm import PlainProduct, onednn_packed_linear
+from engine.model.layers.linear import PackedProduct, RowParallelLinear, linear_layers
+from engine.model.quant_formats import QuantizedWeight, dequantize
+
+
+def quantized_product(weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> PackedProduct:
+    """The product on a packed weight when the layer kernels offer none: the weight de-quantized once into a
+    float32 product (:func:`~engine.model.layers.gemm.onednn_packed_linear`, else ``F.linear``)."""
+    dense = dequantize(weight)
+    return onednn_packed_linear(dense, bias) or PlainProduct(dense, bias, torch.float32)
+
+
+def pack_linear_layers(
+    model: Any,
+    pack_linear: Callable[..., Optional[PackedProduct]],
+    head_in_float32: bool = False,
+    pack_quantized: Callable[..., PackedProduct] = quantized_product,
+) -> int:
+    """Give every linear layer (``module.packed``) and the LM head (``model.logits_gemm``) the product
+    ``pack_linear(weight, bias)`` prepares for its weight (``pack_quantized(quant_weight, bias)`` for a quantized
+    one); returns how many products were packed.
+
+    The plain weights stay (inspection and the parameter count read them; new weights need packing
+    again). A weight ``pack_linear`` declines (None) keeps the plain product. ``head_in_float32``: pack
+    the LM head (often the embedding table, kept in the model dtype) from a float32 copy.
+    """
+    packed = 0
+    for module in linear_layers(model):  # a row-parallel bias is added after the all-reduce, not in the product
+        bias = None if isinstance(module, RowParallelLinear) else module.bias
+        quant = getattr(module, "quant_weight", None)
+        module.packed = pack_linear(module.weight, bias) if quant is None else pack_quantized(quant, bias)
+        packed += module.packed is not None
+    head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
+    if head is not None and getattr(head, "quant_weight", None) is not None:
+        model.logits_gemm = pack_quantized(head.quant_weight, None)
+        packed += 1
+    elif head is not None:
+        model.logits_gemm = pack_linear(head.weight.float() if head_in_float32 else head.weight)
+        packed += model.logits_gemm is not None
+    return packed

@@ -1,1 +1,0 @@
-"""EngineCore, its clients, LLMEngine and the offline LLM entry point."""
