@@ -9,7 +9,6 @@ import statistics
 import time
 from typing import Any, Callable, Optional
 
-from engine.testing.inspection import inspect
 from engine_bench.stats import peak_rss_mib, summarize
 from engine_bench.workloads import BenchRequest
 
@@ -84,6 +83,8 @@ def run_throughput_once(
         batch = [r for r in requests if r.turn == turn]
         outputs += llm.generate(_prompts(batch), _params(batch, temperature, structured), use_tqdm=False)
     seconds = time.perf_counter() - start
+    from engine.testing.inspection import inspect
+
     try:
         compiles = inspect(llm).structured_output_manager.compile_seconds if structured else None
     except LookupError:  # the engine core runs in another process
