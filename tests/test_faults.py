@@ -12,7 +12,6 @@ import asyncio
 import glob
 import importlib
 import json
-import os
 import signal
 import socket
 import sys
@@ -28,7 +27,15 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.messages import ENCODER, EngineCoreRequest, EngineCoreRequestType, engine_identity
 from engine.testing import inspect
-from tests.helpers import Server, alive, assert_all_blocks_free, random_prompts, wait_for_async, wait_until
+from tests.helpers import (
+    Server,
+    alive,
+    assert_all_blocks_free,
+    install_fixture_plugins,
+    random_prompts,
+    wait_for_async,
+    wait_until,
+)
 
 pytestmark = pytest.mark.faults
 FAULTY_PLUGIN = Path(__file__).parent / "plugin_fixtures" / "engine_faulty_plugin"
@@ -142,30 +149,7 @@ def ipc_dirs(tmp: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def faulty_plugin_env(tmp_path_factory) -> dict:
     """The engine-faulty-plugin fixture distribution installed into a private folder on PYTHONPATH."""
-    import shutil
-    import subprocess
-
-    site = tmp_path_factory.mktemp("faulty-site")
-    build = tmp_path_factory.mktemp("faulty-build") / "engine_faulty_plugin"
-    shutil.copytree(FAULTY_PLUGIN, build)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(site),
-            str(build),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return install_fixture_plugins(tmp_path_factory, "engine_faulty_plugin")
 
 
 @pytest.fixture

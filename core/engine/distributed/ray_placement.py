@@ -15,11 +15,17 @@ PLACEMENT_TIMEOUT_S = 60
 
 
 def require_ray(key: str) -> Any:
-    """The ray module; ConfigError naming ``key`` (the setting that asked for Ray) when it is not installed."""
+    """The ray module; ConfigError naming ``key`` (the setting that asked for Ray, and its value without Ray)
+    when it is not installed."""
     try:
         import ray
     except ImportError:
-        raise ConfigError(f"{key} needs ray: pip install engine-executor-ray (it depends on ray)") from None
+        setting, _, _ = key.partition("=")
+        without = {"parallel.executor": "multiproc", "parallel.data_parallel_backend": "mp"}.get(setting)
+        raise ConfigError(
+            f"{key} needs ray: pip install engine-executor-ray (it depends on ray)"
+            + (f", or set {setting}={without}" if without else "")
+        ) from None
     return ray
 
 

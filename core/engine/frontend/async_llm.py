@@ -89,12 +89,18 @@ class AsyncLLM:
                 waiting.put_nowait(self.dead_error)
 
     def prepare(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: Optional[str] = None
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: Optional[str] = None,
+        check_context_length: bool = False,
     ) -> PreparedRequest:
         """Validate and tokenize a prompt for ``generate`` (ValueError naming what is wrong); the OpenAI server
         prepares every prompt of a call, with the context-length check, before it starts any."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        return self.input_processor.prepare(request_id, prompt, sampling_params)
+        return self.input_processor.prepare(
+            request_id, prompt, sampling_params, check_context_length=check_context_length
+        )
 
     def decode_token(self, token_id: int) -> Optional[str]:
         """One token's text, as logprobs show it (cached)."""

@@ -43,14 +43,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [tokens] on the model's device
     positions: torch.Tensor  # [tokens]
     attn_metadata: list[Any]  # one per KV-cache group, from its backend's builder
+    query_start_loc: np.ndarray  # [rows + 1] where each row's tokens start
     sampling_rows: np.ndarray  # rows that produce a token this step (their prompt is complete)
     num_drafts: np.ndarray  # [sampling rows] speculative drafts each verifies
     logits_indices: torch.Tensor  # [positions to sample] token index of each, 1 + drafts per sampling row
-
-    @property
-    def query_start_loc(self) -> np.ndarray:
-        """[rows + 1] where each row's tokens start."""
-        return np.concatenate([[0], np.cumsum(self.num_scheduled)])
 
 
 class ModelRunner:
@@ -307,6 +303,7 @@ class ModelRunner:
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(positions).to(self.device),
             metadata,
+            query_start_loc,
             sampling_rows,
             num_drafts,
             torch.from_numpy(logits_indices),

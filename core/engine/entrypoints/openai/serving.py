@@ -105,7 +105,7 @@ class OpenAIServing:
         """Every prompt of a call validated and tokenized (with the context-length check) before any starts;
         prompt ``i`` runs as request ``{base_id}-{i}``."""
         return [
-            engine.input_processor.prepare(f"{base_id}-{index}", prompt, params, check_context_length=True)
+            engine.prepare(prompt, params, f"{base_id}-{index}", check_context_length=True)
             for index, prompt in enumerate(prompts)
         ]
 
