@@ -171,6 +171,12 @@ class ParallelConfig(_Section):
         ge=0,
         description="this engine core's DP rank (set by the engine for each core it starts; offsets its CUDA devices)",
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="MoE models: place whole experts on the tensor-parallel ranks (each rank runs its experts for "
+        "every token and the outputs are summed over the ranks) instead of a slice of every expert's "
+        "intermediate dimension on each rank",
+    )
     data_parallel_routing: Literal["prefix_aware", "least_loaded"] = Field(
         "prefix_aware",
         description="how a front end picks a DP rank: least_loaded (vLLM's: fewest waiting x 4 + "

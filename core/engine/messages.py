@@ -49,6 +49,8 @@ class SchedulerStats(msgspec.Struct):
     num_requests_received: int = 0  # requests this core was given since start
     dp_rank: Optional[int] = 0  # the engine core's DP rank; None in a total over ranks
     per_rank: list[SchedulerStats] = []  # in a total over DP ranks: each rank's own counters
+    # MoE models: tokens routed to each expert since start, per MoE layer index (empty for dense models)
+    expert_load: dict[int, list[int]] = {}
 
     @classmethod
     def total(cls, per_rank: list[SchedulerStats]) -> SchedulerStats:
@@ -68,7 +70,17 @@ class SchedulerStats(msgspec.Struct):
             num_requests_received=sum(s.num_requests_received for s in per_rank),
             dp_rank=None,
             per_rank=list(per_rank),
+            expert_load=_add_expert_load([s.expert_load for s in per_rank]),
         )
+
+
+def _add_expert_load(loads: list[dict[int, list[int]]]) -> dict[int, list[int]]:
+    total: dict[int, list[int]] = {}
+    for load in loads:
+        for layer, counts in load.items():
+            before = total.get(layer)
+            total[layer] = list(counts) if before is None else [a + b for a, b in zip(before, counts)]
+    return total
 
 
 class SpecDecodingStats(msgspec.Struct):

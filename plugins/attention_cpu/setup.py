@@ -36,6 +36,13 @@ setup(
             extra_compile_args=FLAGS + ["-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
         ),
+        # the fused mixture-of-experts operation (compiles gemm.cpp in, bindings left out)
+        CppExtension(
+            "engine_attention_cpu._moe",
+            ["engine_attention_cpu/csrc/fused_moe.cpp"],
+            extra_compile_args=FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
         # the decode step captured in C++: compiles the four kernel sources above in (their bindings left out), each
         # with its own contraction setting (pragmas), so a replayed step calls the same code as the eager layers
         CppExtension(

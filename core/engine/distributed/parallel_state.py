@@ -1,5 +1,6 @@
 """Process groups of one worker: its tensor-parallel group (the ranks of its pipeline stage) and its
-pipeline-parallel group (its peers at the same TP rank in every stage).
+pipeline-parallel group (its peers at the same TP rank in every stage), and the expert-parallel group over
+which MoE layers place whole experts (the TP group with ``enable_expert_parallel``, else a group of one).
 
 Ranks are laid out as vLLM lays them out: global rank = pp_rank x TP + tp_rank, so the TP ranks of a stage
 are neighbours and the last stage's first rank (world - TP) is the one whose step output is the engine's.
@@ -73,6 +74,7 @@ class GroupCoordinator:
 
 _TP_GROUP = GroupCoordinator()
 _PP_GROUP = GroupCoordinator()
+_EP_GROUP = GroupCoordinator()
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -83,10 +85,31 @@ def get_pp_group() -> GroupCoordinator:
     return _PP_GROUP
 
 
+def get_ep_group() -> GroupCoordinator:
+    """The ranks over which MoE layers spread whole experts (vLLM's ``--enable-expert-parallel``): the TP group
+    when it is on, else this rank alone (each TP rank then holds a slice of every expert)."""
+    return _EP_GROUP
+
+
 def init_model_parallel(
+    rank: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    init_method: str,
+    backend: str,
+    enable_expert_parallel: bool = False,
+) -> tuple[GroupCoordinator, GroupCoordinator]:
+    """Join the world of TP x PP workers and this rank's TP and PP groups (one process per rank); with
+    ``enable_expert_parallel`` the TP group is also the expert-parallel group."""
+    global _EP_GROUP
+    tp_group, pp_group = _init_tp_pp(rank, tensor_parallel_size, pipeline_parallel_size, init_method, backend)
+    _EP_GROUP = tp_group if enable_expert_parallel else GroupCoordinator()
+    return tp_group, pp_group
+
+
+def _init_tp_pp(
     rank: int, tensor_parallel_size: int, pipeline_parallel_size: int, init_method: str, backend: str
 ) -> tuple[GroupCoordinator, GroupCoordinator]:
-    """Join the world of TP x PP workers and this rank's TP and PP groups (one process per rank)."""
     global _TP_GROUP, _PP_GROUP
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     world = tp * pp
@@ -114,10 +137,10 @@ def init_model_parallel(
 
 
 def destroy_model_parallel() -> None:
-    global _TP_GROUP, _PP_GROUP
+    global _TP_GROUP, _PP_GROUP, _EP_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_GROUP, _PP_GROUP = GroupCoordinator(), GroupCoordinator()
+    _TP_GROUP, _PP_GROUP, _EP_GROUP = GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
 
 
 def pipeline_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

@@ -81,6 +81,7 @@ class EngineCore:
         check_pipeline_parallel(vllm_config, self.model_info)
         choices = {kind: impl.name for kind, impl in self.plugins.items()}
         self.executor = self.plugins["executor"].cls(vllm_config, choices)
+        self._has_experts: Optional[bool] = None  # known after the first get_stats: MoE layers report expert load
         stage_specs = self.executor.get_kv_cache_stage_specs()
         kv_specs = {name: spec for specs in stage_specs for name, spec in specs.items()}
         self.kv_cache_config = make_kv_cache_config(
@@ -232,7 +233,18 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self.error_outputs)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if self._has_experts is not False:  # asked of the workers once; a dense model is not asked again
+            stats.expert_load = self._expert_load()
+            self._has_experts = bool(stats.expert_load)
+        return stats
+
+    def _expert_load(self) -> dict[int, list[int]]:
+        """Tokens per expert per MoE layer, from every pipeline stage (its TP ranks count the same tokens)."""
+        merged: dict[int, list[int]] = {}
+        for load in self.executor.collective_rpc("expert_load"):
+            merged.update(load)
+        return dict(sorted(merged.items()))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

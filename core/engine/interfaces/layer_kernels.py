@@ -1,4 +1,5 @@
-"""LayerKernels interface: the kernels of the model layers (norms, activations, RoPE, linear products).
+"""LayerKernels interface: the kernels of the model layers (norms, activations, RoPE, linear products, the
+fused mixture-of-experts operation).
 
 The layers call these instead of torch ops so that a device plugin can fuse them: one pass over
 each row instead of one per torch op, or a matrix product on weights packed once at load.
@@ -14,6 +15,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from engine.interfaces.base import Pluggable
+from engine.interfaces.moe import ExpertsProduct, ExpertWeights, MoERouting
+
+__all__ = [
+    "CapturedDecodeStep",
+    "DecodeCaptureUnsupported",
+    "ExpertWeights",
+    "ExpertsProduct",
+    "LayerKernels",
+    "MoERouting",
+]
 
 if TYPE_CHECKING:
     from engine.config import VllmConfig
@@ -53,9 +64,10 @@ class LayerKernels(Pluggable):
         """Prepare the loaded model's weights for these kernels (the loader calls it once, after every weight
         is loaded). By default every linear product goes through ``pack_linear``; a device's policy (such as
         keeping 16-bit weights in float32 on CPUs without 16-bit GEMMs) belongs in an override."""
-        from engine.model.layers.packing import pack_linear_layers
+        from engine.model.layers.packing import pack_linear_layers, pack_moe_layers
 
         pack_linear_layers(model, self.pack_linear)
+        pack_moe_layers(model, self.pack_experts)
 
     def pack_linear(
         self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
@@ -97,6 +109,34 @@ class LayerKernels(Pluggable):
         rotate_half's sign (``-sin`` on its first half); values past ``rotary_dim`` pass through.
         query and key may be rotated in place (they may be views of one fused QKV output).
         """
+
+    def select_experts(
+        self, router_logits: torch.Tensor, routing: MoERouting, correction_bias: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``routing.top_k`` experts from its router logits ``[T, E]``: ``(weights, ids)``, float32
+        and int64, ``[T, top_k]``. The default is the torch reference every kernel is checked against."""
+        from engine.model.layers.moe_reference import select_experts
+
+        return select_experts(router_logits, routing, correction_bias)
+
+    def pack_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> Optional[ExpertsProduct]:
+        """The routed experts' products prepared once, at load (as ``pack_linear`` prepares a linear layer's): a
+        callable ``(x, topk_weights, topk_ids, expert_map) -> [T, hidden]`` doing what ``fused_moe`` does, or None
+        to keep the default. ``process_weights_after_loading`` calls it for every MoE layer."""
+        return None
+
+    def fused_moe(
+        self, x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' output ``[T, hidden]`` in x's dtype: for each token, the sum over its chosen experts
+        held on this rank of ``weight x down(silu(gate(x)) * up(x))``, added in the order of the experts' ids (the
+        caller all-reduces it over the ranks that share the experts). Through ``experts.packed`` where
+        ``pack_experts`` made one; else the torch reference (tokens grouped by expert)."""
+        if experts.packed is not None:
+            return experts.packed(x, topk_weights, topk_ids, experts.expert_map)
+        from engine.model.layers.moe_reference import fused_experts
+
+        return fused_experts(x, experts.w13_weight, experts.w2_weight, topk_weights, topk_ids, experts.expert_map)
 
     def capture_decode_step(self, model: torch.nn.Module, attention_layers: dict[str, Any]) -> CapturedDecodeStep:
         """The model's decode step captured for replay (after its KV caches are allocated, once per allocation),

@@ -101,9 +101,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, prefix: str, attention_cls: type = LlamaAttention):
         super().__init__()
         self.self_attn = attention_cls(config, layer_index, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.mlp = self.make_mlp(config, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_index: int) -> nn.Module:
+        """This layer's feed-forward block: the SiLU-gated MLP (MoE families return their sparse block here)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
@@ -237,6 +241,14 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / soft_cap) * soft_cap
         return logits
 
+    def checkpoint_target(self, name: str) -> tuple[str, tuple]:
+        """The parameter a checkpoint tensor fills and the extra arguments of its weight loader (the shard of a
+        fused layer; families with experts add the expert id)."""
+        for ckpt_piece, param_piece, shard_id in self.stacked_params_mapping:
+            if ckpt_piece in name:
+                return name.replace(ckpt_piece, param_piece), (shard_id,)
+        return name, ()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into (sharded, fused) parameters; return the parameter names set."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -244,21 +256,12 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
                 continue
-            for ckpt_piece, param_piece, shard_id in self.stacked_params_mapping:  # noqa: B007 (read after break)
-                if ckpt_piece in name:
-                    target = name.replace(ckpt_piece, param_piece)
-                    break
-            else:
-                target, shard_id = name, None
+            target, loader_args = self.checkpoint_target(name)
             if target not in params:
                 if is_pp_missing_parameter(target, self):
                     continue  # another pipeline stage holds it
                 raise ValueError(f"checkpoint tensor '{name}' has no place in {type(self).__name__}")
             param = params[target]
-            loader = weight_loader_of(param)
-            if shard_id is None:
-                loader(param, tensor.to(param.dtype))
-            else:
-                loader(param, tensor.to(param.dtype), shard_id)
+            weight_loader_of(param)(param, tensor.to(param.dtype), *loader_args)
             loaded.add(target)
         return loaded

@@ -65,6 +65,9 @@ _BUILTIN = {
     "Qwen3ForCausalLM": "engine.model.qwen:Qwen3ForCausalLM",
     "Gemma2ForCausalLM": "engine.model.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.model.gemma:Gemma3ForCausalLM",
+    "MixtralForCausalLM": "engine.model.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "engine.model.qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.model.qwen_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -80,6 +80,8 @@ class Int8Quantization(QuantizationMethod):
 
     def process_weights_after_loading(self, model):
         for module in linear_layers(model, quantized=False):
+            if getattr(module, "keep_float", False):
+                continue  # MoE routers: a token's experts must not change with the weights' rounding
             set_quantized_weight(module, quantize(module.weight.data, "int8"))
         head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
         if head is not None and getattr(head, "quant_weight", None) is None:

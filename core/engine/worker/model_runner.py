@@ -22,6 +22,7 @@ from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.interfaces.sampler import SamplingMetadata
 from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from engine.model.layers.attention import Attention
+from engine.model.layers.moe import expert_load
 from engine.model.loader import load_model
 from engine.model.model_info import ModelInfo
 from engine.sample.logprobs import TokenLogprobs, gather_logprobs
@@ -108,6 +109,10 @@ class ModelRunner:
                 self.attention_layers[module.layer_name] = module
         if self.proposer is not None:
             self.proposer.load(self)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """MoE models: tokens routed to each expert since start, per MoE layer of this rank (empty when dense)."""
+        return expert_load(self.loaded_model)
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
         specs: dict[str, FullAttentionSpec] = {}

@@ -64,6 +64,7 @@ class Worker:
             parallel.pipeline_parallel_size,
             self.distributed_init_method or "env://",
             "nccl" if device_name == "cuda" else "gloo",
+            parallel.enable_expert_parallel,
         )
 
     def load_model(self) -> None:
@@ -98,6 +99,9 @@ class Worker:
         if self.model_runner is None:
             raise RuntimeError("the worker has no model runner before load_model")
         return self.model_runner
+
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.runner.expert_load()
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
         return self.runner.get_kv_cache_spec()

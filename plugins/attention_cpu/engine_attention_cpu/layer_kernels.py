@@ -1,7 +1,8 @@
 """The ``cpu`` LayerKernels: RMSNorm (with its residual add), SiLU-and-multiply and RoPE, each one
-pass over its rows in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops, and the linear
+pass over its rows in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops, the linear
 products on weights packed for an AVX2 GEMM (``gemm.py``, ``csrc/gemm.cpp``) where it measures faster than
-torch's products on the model's shapes (``engine.model.layers.product_choice``).
+torch's products on the model's shapes (``engine.model.layers.product_choice``), and the fused
+mixture-of-experts operation on experts packed for that GEMM (``moe.py``, ``csrc/fused_moe.cpp``).
 
 Inputs the kernels do not take (another device, float64, odd RoPE sizes, 16-bit weights on a CPU
 with native 16-bit GEMMs) go to the native torch ops.
@@ -18,6 +19,7 @@ from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.layers.product_choice import ProductCandidate
 from engine_attention_cpu.decode_graph import capture_decode_step
 from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
+from engine_attention_cpu.moe import CpuFusedExperts
 from engine_attention_cpu.quant import DequantizedGemmProduct, QuantDotProduct, variants
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,6 +41,7 @@ class CpuLayerKernels(NativeLayerKernels):
 
         self._ops = _layers
         self._gemm = cpu_gemm_available()
+        self._has_moe = importlib.util.find_spec("engine_attention_cpu._moe") is not None
 
     @classmethod
     def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -78,6 +81,13 @@ class CpuLayerKernels(NativeLayerKernels):
         if not (self._gemm and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2):
             return super().fixed_product(weight, bias)
         return CpuPackedLinear(weight, bias)
+
+    def pack_experts(self, w13, w2):
+        """The experts packed for the C++ fused-MoE operation (``moe.py``), where the GEMM is built and the weights
+        are on the CPU; else the torch reference."""
+        if not (self._gemm and w13.device.type == "cpu" and self._has_moe and w13.shape[0] > 0):
+            return super().pack_experts(w13, w2)
+        return CpuFusedExperts(w13, w2)
 
     def capture_decode_step(self, model, attention_layers):
         """The decoder-layer loop of a Llama-shaped model replayed in C++ for pure decode steps (``decode_graph``)."""

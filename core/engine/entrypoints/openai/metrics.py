@@ -55,8 +55,13 @@ class ServerMetrics:
             "Draft tokens accepted, by position in the draft",
             ["position"],
         )
+        # MoE models: what people look at first when one is slow (a hot expert, a rank with the popular experts)
+        self.moe_expert_tokens = rank_counter(
+            "engine_moe_expert_tokens", "Tokens routed to each expert of each MoE layer", ["layer", "expert"]
+        )
         self._model_name = model_name
         self._spec_seen: dict[str, SpecDecodingStats] = {}  # per DP rank: the totals already counted
+        self._expert_seen: dict[str, dict[int, list[int]]] = {}  # per DP rank: the expert counts already counted
 
     def update_from_stats(self, stats) -> None:
         """Set every engine-core series from ``get_stats()``: one per DP rank (``dp_rank`` label)."""
@@ -78,6 +83,18 @@ class ServerMetrics:
         spec = getattr(stats, "spec_decoding", None)
         if spec is not None:
             self._count_spec(rank, spec)
+        if stats.expert_load:
+            self._count_expert_load(rank, stats.expert_load)
+
+    def _count_expert_load(self, rank: str, load: dict[int, list[int]]) -> None:
+        seen = self._expert_seen.get(rank, {})
+        for layer, counts in load.items():
+            before = seen.get(layer, [])
+            for expert, total in enumerate(counts):
+                advance = total - (before[expert] if expert < len(before) else 0)
+                if advance > 0:
+                    self.moe_expert_tokens.labels(self._model_name, rank, str(layer), str(expert)).inc(advance)
+        self._expert_seen[rank] = {layer: list(counts) for layer, counts in load.items()}
 
     def _count_spec(self, rank: str, spec: SpecDecodingStats) -> None:
         seen = self._spec_seen.get(rank)

@@ -1,4 +1,5 @@
-"""Linear layers sharded by tensor-parallel rank: column (incl. merged and QKV) and row parallel."""
+"""Linear layers sharded by tensor-parallel rank: column (incl. merged and QKV) and row parallel, and replicated
+(every rank holds the whole weight: MoE routers)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,32 @@ class RowParallelLinear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
 
+class ReplicatedLinear(nn.Module):
+    """y = xW^T + b with the whole weight on every rank (an MoE router, a shared expert's gate); ``params_dtype``
+    keeps it in another dtype than the model's (DeepSeek-V3 routes in float32), computed in that dtype. Weight-only
+    quantization leaves it in float (``keep_float``), as vLLM leaves its routers."""
+
+    keep_float = True
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, params_dtype: Optional[torch.dtype] = None
+    ):
+        super().__init__()
+        self.params_dtype = params_dtype
+        self.weight = _param((output_size, input_size), default_weight_loader)
+        self.bias = _param((output_size,), default_weight_loader) if bias else None
+        if params_dtype is not None:
+            self.weight.data = self.weight.data.to(params_dtype)
+            if self.bias is not None:
+                self.bias.data = self.bias.data.to(params_dtype)
+        self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.params_dtype is not None:
+            x = x.to(self.params_dtype)
+        return linear(x, self.weight, self.bias, self.packed)
+
+
 def keep_quantized_shard(module: nn.Module, param: nn.Parameter, row_offset: int, shard) -> bool:
     """Keep a packed checkpoint shard of a layer's weight (its rows from ``row_offset``) until every shard is in;
     ``finish_quantized_weight`` stacks them. False for a float shard (copied into the parameter as usual)."""
@@ -212,7 +239,8 @@ def weight_loader_of(param: nn.Parameter):
 def linear_layers(model: nn.Module, quantized: Optional[bool] = None) -> list[Any]:
     """Every tensor-parallel linear layer of a model (``quantized``: only those with, or without, a
     ``quant_weight``)."""
-    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear))]
+    kinds = (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, ReplicatedLinear)
+    layers = [m for m in model.modules() if isinstance(m, kinds)]
     if quantized is None:
         return layers
     return [m for m in layers if (getattr(m, "quant_weight", None) is not None) == quantized]

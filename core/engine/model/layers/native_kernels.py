@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine.hookspecs import hookimpl
 from engine.interfaces.layer_kernels import LayerKernels
 from engine.model.layers.gemm import native_product_candidates, onednn_packed_linear, widen_gemm_weights
-from engine.model.layers.packing import pack_linear_layers, quantized_product
+from engine.model.layers.packing import pack_linear_layers, pack_moe_layers, quantized_product
 from engine.model.layers.product_choice import (
     ProductCandidate,
     ProductTable,
@@ -64,6 +64,7 @@ class NativeLayerKernels(LayerKernels):
                     )
                     log_table(self.quantized_tables[fmt])
         pack_linear_layers(model, self.pack_linear, head_in_float32=widened, pack_quantized=self.pack_quantized)
+        pack_moe_layers(model, self.pack_experts)
 
     def product_candidates(self, dtype: torch.dtype) -> list[ProductCandidate]:
         """The CPU products to choose among by measurement (a plugin adds its own kernels to these)."""

@@ -1,15 +1,18 @@
 """Packing a loaded model's products: every linear layer and the LM head get the product the layer kernels
-prepare for their weights (quantized weights through ``pack_quantized``)."""
+prepare for their weights (quantized weights through ``pack_quantized``), every MoE layer its experts' products."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from engine.model.layers.gemm import PlainProduct, onednn_packed_linear
 from engine.model.layers.linear import PackedProduct, RowParallelLinear, linear_layers
 from engine.model.quant_formats import QuantizedWeight, dequantize
+
+if TYPE_CHECKING:
+    from engine.interfaces.moe import ExpertsProduct
 
 
 def quantized_product(weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> PackedProduct:
@@ -46,4 +49,16 @@ def pack_linear_layers(
     elif head is not None:
         model.logits_gemm = pack_linear(head.weight.float() if head_in_float32 else head.weight)
         packed += model.logits_gemm is not None
+    return packed
+
+
+def pack_moe_layers(model: Any, pack_experts: Callable[[torch.Tensor, torch.Tensor], Optional[ExpertsProduct]]) -> int:
+    """Give every MoE layer (a module with stacked ``w13_weight`` and ``w2_weight``: ``FusedMoE``) the experts'
+    products ``pack_experts(w13, w2)`` prepares (``layer.packed``); returns how many layers got one (None keeps the
+    layer kernels' default ``fused_moe``)."""
+    packed = 0
+    layers = [m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "w2_weight")]
+    for layer in layers:
+        layer.packed = pack_experts(layer.w13_weight.data, layer.w2_weight.data)
+        packed += layer.packed is not None
     return packed

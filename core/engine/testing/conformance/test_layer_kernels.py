@@ -121,3 +121,35 @@ def test_a_captured_decode_step_gives_the_eager_bits(layer_kernels_name, tiny_mo
         pytest.skip(f"the '{layer_kernels_name}' layer kernels do not capture this model's decode step")
     assert captured[False][1] > 0 and captured[True] == (False, 0)
     assert results[False] == results[True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 37])
+def test_fused_moe_matches_the_reference(kernels, dtype, tokens):
+    """The fused-MoE operation (``pack_experts`` where the kernels pack experts, else their ``fused_moe``) equals the
+    torch reference on every routing shape: tokens sharing experts, experts with none, a decode-sized step, an
+    empty step, and experts held by another rank (``expert_map``, expert parallelism)."""
+    from types import SimpleNamespace
+
+    from engine.interfaces.layer_kernels import MoERouting
+    from engine.model.layers.moe_reference import fused_experts, select_experts
+
+    gen = torch.Generator().manual_seed(3)
+    num_experts, hidden, intermediate = 8, 48, 40
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen) * 0.2).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    weights, ids = kernels.select_experts(logits, MoERouting(top_k=3, renormalize=True))
+    want_weights, want_ids = select_experts(logits, MoERouting(top_k=3, renormalize=True))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights)
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int64)
+    expert_map[4:] = torch.arange(4)  # this rank holds experts 4-7 of 8
+    for local, emap in (((w13, w2)), None), ((w13[4:], w2[4:]), expert_map):
+        layer = SimpleNamespace(w13_weight=local[0], w2_weight=local[1], expert_map=emap, packed=None)
+        layer.packed = kernels.pack_experts(*local)
+        got = kernels.fused_moe(x, layer, weights, ids)
+        want = fused_experts(x, local[0], local[1], weights, ids, emap)
+        assert got.shape == x.shape and got.dtype == dtype
+        torch.testing.assert_close(got, want, **tolerance(dtype))
