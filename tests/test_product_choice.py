@@ -66,11 +66,11 @@ def test_the_fastest_candidate_wins_each_bucket_and_layers_dispatch_by_rows(cach
 
 
 def test_the_first_candidate_stays_unless_another_is_clearly_faster():
-    from engine.model.layers.product_choice import _pick
+    from engine.model.layers.product_choice import pick_fastest
 
-    assert _pick({"own": 1.0, "other": 1.0 / (1 + SWITCH_MARGIN / 2)}, preferred="own") == "own"  # noise
-    assert _pick({"own": 1.0, "other": 1.0 / (1 + 2 * SWITCH_MARGIN)}, preferred="own") == "other"
-    assert _pick({"own": 1.0, "other": 2.0}, preferred="own") == "own"
+    assert pick_fastest({"own": 1.0, "other": 1.0 / (1 + SWITCH_MARGIN / 2)}, preferred="own") == "own"  # noise
+    assert pick_fastest({"own": 1.0, "other": 1.0 / (1 + 2 * SWITCH_MARGIN)}, preferred="own") == "other"
+    assert pick_fastest({"own": 1.0, "other": 2.0}, preferred="own") == "own"
 
 
 def test_one_candidate_everywhere_is_used_without_dispatch(cache_home):

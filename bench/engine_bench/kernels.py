@@ -82,16 +82,33 @@ def workload_bound(report: KernelReport, prompt_lens: list[int], output_lens: li
     best = max(c.best_gflops(b.name) for c in choices.values() for b in ROW_BUCKETS if b.name in c.gflops)
     flops += attention
     seconds += attention / (best * 1e9)
+    experts = _active_expert_flops(report.model)  # MoE: only the experts each token is routed to
+    for tokens, bucket in ((prompt_tokens, "prompt"), (decode_tokens, "decode")):
+        rate = max(c.best_gflops(bucket) for c in choices.values() if bucket in c.gflops)
+        flops += experts * tokens
+        seconds += experts * tokens / (rate * 1e9)
     total_tokens = prompt_tokens + output_tokens
     return {
         "workload_flop": flops,
         "attention_flop": attention,
         "workload_tflop": round(flops / 1e12, 3),
         "attention_tflop": round(attention / 1e12, 3),
+        "active_expert_flop_per_token": experts,
         "bound_seconds": seconds,
         "bound_tokens_per_s": round(total_tokens / seconds, 1),
         "best_gflops": round(best, 1),
     }
+
+
+def _active_expert_flops(model) -> float:
+    """FLOPs per token in the routed experts of every MoE layer: each of its top-k experts runs its gate/up and down
+    products (3 products of hidden x intermediate); experts a token is not routed to cost nothing."""
+    from engine.model.layers.moe import moe_layers
+
+    return sum(
+        6.0 * layer.routing.top_k * layer.w2_weight.shape[1] * layer.intermediate_per_rank
+        for layer in moe_layers(model)
+    )
 
 
 def _attention_flops(hf, prompt_lens: list[int], output_lens: list[int]) -> float:

@@ -11,6 +11,7 @@ with native 16-bit GEMMs) go to the native torch ops.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
@@ -19,8 +20,10 @@ from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.layers.product_choice import ProductCandidate
 from engine_attention_cpu.decode_graph import capture_decode_step
 from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
-from engine_attention_cpu.moe import CpuFusedExperts
+from engine_attention_cpu.moe import CpuFusedExperts, measure_onednn_min_rows, onednn_dtype
 from engine_attention_cpu.quant import DequantizedGemmProduct, QuantDotProduct, variants
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,6 +45,7 @@ class CpuLayerKernels(NativeLayerKernels):
         self._ops = _layers
         self._gemm = cpu_gemm_available()
         self._has_moe = importlib.util.find_spec("engine_attention_cpu._moe") is not None
+        self._expert_kinds: dict[tuple, int] = {}  # experts' shapes and dtype -> rows from which oneDNN runs them
 
     @classmethod
     def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -83,11 +87,25 @@ class CpuLayerKernels(NativeLayerKernels):
         return CpuPackedLinear(weight, bias)
 
     def pack_experts(self, w13, w2):
-        """The experts packed for the C++ fused-MoE operation (``moe.py``), where the GEMM is built and the weights
-        are on the CPU; else the torch reference."""
-        if not (self._gemm and w13.device.type == "cpu" and self._has_moe and w13.shape[0] > 0):
+        """The experts packed for the C++ fused-MoE operation (``moe.py``), each product's kind (the AVX2 GEMM or
+        oneDNN) chosen by its row count from a measurement on the experts' shapes (once per shape); the torch
+        reference where the kernels are not built or the weights are not on the CPU."""
+        if not (w13.device.type == "cpu" and self._has_moe and w13.shape[0] > 0):
             return super().pack_experts(w13, w2)
-        return CpuFusedExperts(w13, w2)
+        dtype = onednn_dtype(w13.dtype)
+        key = (tuple(w13.shape[1:]), tuple(w2.shape[1:]), dtype)
+        if key not in self._expert_kinds:
+            min_rows, timings = measure_onednn_min_rows(w13, w2, dtype, self._gemm)
+            self._expert_kinds[key] = min_rows
+            logger.info(
+                "experts %s / %s: oneDNN (%s) takes products of %s rows, the AVX2 GEMM the rest (us per product: %s)",
+                "x".join(map(str, w13.shape[1:])),
+                "x".join(map(str, w2.shape[1:])),
+                str(dtype).replace("torch.", ""),
+                "no" if min_rows >= 1 << 62 else f"{min_rows}+",
+                timings,
+            )
+        return CpuFusedExperts(w13, w2, self._expert_kinds[key], dtype)
 
     def capture_decode_step(self, model, attention_layers):
         """The decoder-layer loop of a Llama-shaped model replayed in C++ for pure decode steps (``decode_graph``)."""

@@ -1,28 +1,97 @@
-"""The ``cpu`` layer kernels' fused mixture-of-experts operation: every expert's gate/up and down weights packed once
-into the GEMM's 16-column panels, and one C++ call per MoE layer and step (``csrc/fused_moe.cpp``) that groups the
-tokens by expert and runs each expert's rows as one product."""
+"""The ``cpu`` layer kernels' fused mixture-of-experts operation: one C++ call per MoE layer and step
+(``csrc/fused_moe.cpp``) that groups the tokens by expert and runs each expert's rows as one product.
+
+An expert's product is this plugin's AVX2 GEMM on 16-column float32 panels or oneDNN's packed product (float32, or
+the model's 16-bit dtype on CPUs with native 16-bit GEMMs), chosen by row count: both are timed once on the
+experts' shapes at the row counts experts see (a few rows per expert in decode steps, hundreds in prompt chunks),
+and oneDNN takes the products from the smallest row count where it is clearly faster on both shapes. Only the
+weights a chosen kind reads are kept.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
-from engine_attention_cpu.gemm import PANEL
+from engine.model.layers.gemm import PackedHalfLinear, PackedLinear, cpu_has_half_gemm
+from engine.model.layers.product_choice import SWITCH_MARGIN, time_candidates
+
+logger = logging.getLogger(__name__)
+
+ROW_COUNTS = (1, 4, 16, 64, 256)  # rows per expert product at which the two kinds are timed
+NEVER = 1 << 62  # onednn_min_rows when oneDNN takes no product
+
+
+def _onednn_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous())
+
+
+def onednn_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """oneDNN's products run in the model's 16-bit dtype where the CPU has native GEMMs for it, else in float32."""
+    if model_dtype in (torch.bfloat16, torch.float16) and cpu_has_half_gemm(model_dtype):
+        return model_dtype
+    return torch.float32
+
+
+def measure_onednn_min_rows(
+    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype, gemm_available: bool
+) -> tuple[int, dict]:
+    """The smallest measured row count from which oneDNN is clearly faster than the panels on both expert products
+    (and stays so at every larger count), with the timings; 0 when the panels cannot run, NEVER when oneDNN never
+    wins (or is missing)."""
+    if not torch.backends.mkldnn.is_available():
+        return NEVER, {}
+    if not gemm_available:
+        return 0, {}
+    from engine_attention_cpu import _gemm
+
+    generator = torch.Generator().manual_seed(0)
+    wins, timings = [], {}
+    for weight in (w13[0], w2[0]):
+        n, k = weight.shape
+        panels = _gemm.pack_weight(weight.detach().float())
+        onednn = (PackedLinear if dtype == torch.float32 else lambda w, b: PackedHalfLinear(w, b, dtype))(weight, None)
+        products = {
+            "cpu-avx2": lambda x, panels=panels, n=n: _gemm.forward(x, panels, None, n),
+            "onednn": onednn,
+        }
+        for rows in ROW_COUNTS:
+            seconds = time_candidates(products, torch.randn(rows, k, generator=generator))
+            timings[f"{n}x{k}@{rows}"] = {name: round(s * 1e6, 1) for name, s in seconds.items()}
+            wins.append((rows, seconds["onednn"] * (1 + SWITCH_MARGIN) < seconds["cpu-avx2"]))
+    by_rows: dict[int, bool] = {}
+    for rows, won in wins:
+        by_rows[rows] = by_rows.get(rows, True) and won
+    threshold = NEVER
+    for rows in reversed(ROW_COUNTS):  # the smallest count from which oneDNN wins at every larger one
+        if not by_rows[rows]:
+            break
+        threshold = rows
+    return threshold, timings
 
 
 class CpuFusedExperts:
-    """``(x, topk_weights, topk_ids, expert_map) -> [T, hidden]`` on packed experts, computed in float32 (so a
-    bfloat16 model's experts get float32 accumulation) and returned in x's dtype."""
+    """``(x, topk_weights, topk_ids, expert_map) -> [T, hidden]`` on the experts packed for the kinds chosen, in
+    float32 accumulation (a bfloat16 model's expert outputs are summed in float32), returned in x's dtype."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, onednn_min_rows: int, dtype: torch.dtype):
         from engine_attention_cpu import _gemm, _moe
 
         self._moe = _moe
         self.num_experts, self.hidden_size, self.intermediate_size = w2.shape
-        self.w13 = torch.stack([_gemm.pack_weight(w.detach().float()) for w in w13])
-        self.w2 = torch.stack([_gemm.pack_weight(w.detach().float()) for w in w2])
-        assert self.w13.shape[-1] == PANEL
+        self.onednn_min_rows = onednn_min_rows
+        self.w13: Optional[torch.Tensor] = None
+        self.w2: Optional[torch.Tensor] = None
+        if onednn_min_rows > 1:  # the panels take the smaller products
+            self.w13 = torch.stack([_gemm.pack_weight(w.detach().float()) for w in w13])
+            self.w2 = torch.stack([_gemm.pack_weight(w.detach().float()) for w in w2])
+        self.w13_onednn: list[torch.Tensor] = []
+        self.w2_onednn: list[torch.Tensor] = []
+        if onednn_min_rows < NEVER:
+            self.w13_onednn = [_onednn_weight(w, dtype) for w in w13]
+            self.w2_onednn = [_onednn_weight(w, dtype) for w in w2]
 
     def __call__(
         self,
@@ -31,4 +100,15 @@ class CpuFusedExperts:
         topk_ids: torch.Tensor,
         expert_map: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        return self._moe.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, expert_map, self.intermediate_size)
+        return self._moe.fused_experts(
+            x,
+            self.w13,
+            self.w2,
+            self.w13_onednn,
+            self.w2_onednn,
+            self.onednn_min_rows,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            self.intermediate_size,
+        )

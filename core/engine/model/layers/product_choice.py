@@ -156,7 +156,7 @@ def cache_dir() -> str:
     return os.path.join(root, "engine", "products")
 
 
-def _time_candidates(
+def time_candidates(
     products: dict[str, PackedProduct], x: torch.Tensor, rounds: int = 3, budget_s: float = 0.004
 ) -> dict[str, float]:
     """Seconds per call of each product (the best of ``rounds`` interleaved rounds, so a busy neighbour or a
@@ -176,7 +176,7 @@ def _time_candidates(
     return best
 
 
-def _pick(seconds: dict[str, float], preferred: Optional[str]) -> str:
+def pick_fastest(seconds: dict[str, float], preferred: Optional[str]) -> str:
     """The fastest candidate, unless the preferred one (the first listed: the layer kernels' own default) is
     within ``SWITCH_MARGIN`` of it: timing noise must not switch kernels, a clear win must."""
     fastest = min(seconds, key=seconds.__getitem__)
@@ -212,10 +212,10 @@ def measure_shape(
         if shape.is_head and bucket.measured_rows > ROW_BUCKETS[1].measured_rows:
             continue
         x = torch.randn(bucket.measured_rows, shape.in_features, generator=generator).to(dtype)
-        seconds = _time_candidates(products, x)
+        seconds = time_candidates(products, x)
         flop = 2.0 * bucket.measured_rows * shape.out_features * shape.in_features
         choice.gflops[bucket.name] = {name: flop / s / 1e9 for name, s in seconds.items()}
-        choice.chosen[bucket.name] = _pick(seconds, preferred=next(iter(products), None))
+        choice.chosen[bucket.name] = pick_fastest(seconds, preferred=next(iter(products), None))
     if shape.is_head:  # the head's rows never reach a prompt chunk's count
         choice.chosen[ROW_BUCKETS[2].name] = choice.chosen[ROW_BUCKETS[1].name]
     return choice

@@ -1,11 +1,14 @@
 // The fused mixture-of-experts operation on the CPU: a token's chosen experts run as grouped products.
 //
 // One call per MoE layer and step: the (token, choice) pairs are counting-sorted by expert (tokens in order within
-// an expert), each expert with tokens runs its gate/up product on its rows in one GEMM (the AVX2 register-tile GEMM
-// of gemm.cpp, or its row-parallel GEMV for up to 4 rows, on weights packed once at load), SiLU-and-multiply runs
+// an expert), each expert with tokens runs its gate/up product on its rows in one product, SiLU-and-multiply runs
 // over every row at once, then each expert's down product, and the weighted outputs are added into each token's
-// row in the order of the experts' ids (as the torch reference adds them). No Python between the experts; a row's
-// result does not depend on the other rows of the batch.
+// row in the order of the experts' ids (as the torch reference adds them). No Python between the experts.
+//
+// An expert's product is one of two kinds, chosen by its row count (the caller measures both at load): the AVX2
+// GEMM of gemm.cpp on 16-column panels (its row-parallel GEMV for up to 4 rows), or oneDNN's packed product
+// (mkldnn::_linear_pointwise on a weight reordered once, in float32 or the model's 16-bit dtype). Each kind gives a
+// row's result independently of the other rows it runs with.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -23,11 +26,41 @@
 
 namespace engine_moe {
 
-// out[m, n] = x[m, k] @ W.T for one expert's packed panels [ceil(n/16), k, 16] (rows are contiguous).
-void expert_product(const float* x, int64_t m, int64_t k, const torch::Tensor& packed, int64_t n, float* out) {
+// oneDNN's packed linear product, as torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], None)
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.emplace_back(x);
+  stack.emplace_back(weight);
+  stack.emplace_back(c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// How one layer's experts run their products: panels (AVX2 GEMM) below `onednn_min_rows` rows, oneDNN from there.
+struct ExpertWeightsView {
+  c10::optional<torch::Tensor> panels;         // [E, panels, K, 16] float32, or none
+  const std::vector<torch::Tensor>* onednn;     // one reordered weight per expert, or empty
+  int64_t onednn_min_rows;
+};
+
+// out[m, n] = x[m, k] @ W.T for one expert (rows are contiguous), by the kind its row count takes.
+void expert_product(const float* x, int64_t m, int64_t k, const ExpertWeightsView& weights, int64_t expert, int64_t n,
+                    float* out) {
   auto options = torch::TensorOptions().dtype(at::kFloat);
   torch::Tensor rows = torch::from_blob(const_cast<float*>(x), {m, k}, options);
   torch::Tensor result = torch::from_blob(out, {m, n}, options);
+  if (!weights.onednn->empty() && (m >= weights.onednn_min_rows || !weights.panels.has_value())) {
+    const torch::Tensor& w = (*weights.onednn)[expert];
+    torch::Tensor y = onednn_linear(w.scalar_type() == at::kFloat ? rows : rows.to(w.scalar_type()), w);
+    result.copy_(y);
+    return;
+  }
+  TORCH_CHECK(weights.panels.has_value(), "no packed weights for an expert product of ", m, " rows");
+  const torch::Tensor packed = (*weights.panels)[expert];
 #ifdef ENGINE_AVX2
   if (m <= 4) {  // decode-sized: the panels split between the spin pool's threads, as engine_cpu::forward does
     const float* w = packed.data_ptr<float>();
@@ -45,19 +78,81 @@ void expert_product(const float* x, int64_t m, int64_t k, const torch::Tensor& p
   engine_cpu::linear(result, rows, packed, c10::nullopt);
 }
 
-// x [T, H] (any float dtype), w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed float32 panels,
-// topk_weights [T, K] float32, topk_ids [T, K] int64 global expert ids, expert_map [E_global] -> local index or -1
-// (experts other ranks hold) or None. Returns [T, H] in x's dtype.
-torch::Tensor fused_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor topk_weights,
-                            torch::Tensor topk_ids, c10::optional<torch::Tensor> expert_map, int64_t intermediate) {
+constexpr int64_t kSmallRows = 16;  // experts with at most this many rows share one pass over (expert, panel) items
+
+// Every expert's product of one phase (gate/up or down): out rows [counts[e], counts[e+1]) = x rows @ W_e.T. Experts
+// with few rows on the panels run together in one job of the spin pool over (expert, panel) items, so a decode step
+// pays one thread wake-up per phase instead of one per expert; the others run one product each.
+void run_products(const float* x, int64_t k, const ExpertWeightsView& weights, const std::vector<int64_t>& counts,
+                  int64_t n, float* out) {
+  const int64_t experts = static_cast<int64_t>(counts.size()) - 1;
+  std::vector<int64_t> small, item_start{0};
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t r0 = counts[e], m = counts[e + 1] - r0;
+    if (m == 0) continue;
+    const bool onednn = !weights.onednn->empty() && (m >= weights.onednn_min_rows || !weights.panels.has_value());
+#ifdef ENGINE_AVX2
+    if (!onednn && m <= kSmallRows) {
+      small.push_back(e);
+      item_start.push_back(item_start.back() + weights.panels->size(1));
+      continue;
+    }
+#endif
+    expert_product(x + r0 * k, m, k, weights, e, n, out + r0 * n);
+  }
+#ifdef ENGINE_AVX2
+  if (small.empty()) return;
+  const float* panels = weights.panels->data_ptr<float>();
+  const int64_t expert_floats = weights.panels->size(1) * k * engine_cpu::kCols;
+  engine_pool::parallel_range(item_start.back(), 8, [&](int64_t i0, int64_t i1) {
+    while (i0 < i1) {  // a run of one expert's panels [q0, q1)
+      const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), i0) - item_start.begin() - 1;
+      const int64_t q0 = i0 - item_start[s], q1 = std::min(i1, item_start[s + 1]) - item_start[s];
+      const int64_t e = small[s], r0 = counts[e], m = counts[e + 1] - r0;
+      const float* w = panels + e * expert_floats;
+      // panel by panel, every row chunk of 4 on it while it is in cache: each weight is read from memory once
+      for (int64_t q = q0; q < q1; ++q)
+        for (int64_t r = 0; r < m; r += 4) {
+          const float* xr = x + (r0 + r) * k;
+          float* c = out + (r0 + r) * n;
+          switch (std::min<int64_t>(4, m - r)) {
+            case 1: engine_cpu::gemv_panels<1>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
+            case 2: engine_cpu::gemv_panels<2>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
+            case 3: engine_cpu::gemv_panels<3>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
+            default: engine_cpu::gemv_panels<4>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
+          }
+        }
+      i0 += q1 - q0;
+    }
+  });
+#endif
+}
+
+// x [T, H] (any float dtype); w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed float32 panels
+// and/or one oneDNN-reordered weight per expert (w13_onednn, w2_onednn), the latter taking every expert product of
+// at least onednn_min_rows rows; topk_weights [T, K] float32, topk_ids [T, K] int64 global expert ids, expert_map
+// [E_global] -> local index or -1 (experts other ranks hold) or None. Returns [T, H] in x's dtype.
+torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c10::optional<torch::Tensor> w2,
+                            std::vector<torch::Tensor> w13_onednn, std::vector<torch::Tensor> w2_onednn,
+                            int64_t onednn_min_rows, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                            c10::optional<torch::Tensor> expert_map, int64_t intermediate) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be [tokens, hidden] on the CPU");
-  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.is_contiguous() && w2.is_contiguous() &&
-                  w13.scalar_type() == at::kFloat && w2.scalar_type() == at::kFloat,
-              "expert weights must be packed float32 panels [E, panels, K, 16]");
-  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1), experts = w13.size(0);
-  TORCH_CHECK(w13.size(2) == hidden && w2.size(2) == intermediate && w2.size(1) * engine_cpu::kCols >= hidden &&
-                  w13.size(1) * engine_cpu::kCols >= 2 * intermediate,
-              "expert weights do not fit hidden size ", hidden, " and intermediate size ", intermediate);
+  TORCH_CHECK(w13.has_value() == w2.has_value() && w13_onednn.size() == w2_onednn.size() &&
+                  (w13.has_value() || !w13_onednn.empty()),
+              "give the experts' panels, their oneDNN weights, or both, for w13 and w2 alike");
+  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1);
+  const int64_t experts = w13.has_value() ? w13->size(0) : static_cast<int64_t>(w13_onednn.size());
+  if (w13.has_value()) {
+    TORCH_CHECK(w13->dim() == 4 && w2->dim() == 4 && w13->is_contiguous() && w2->is_contiguous() &&
+                    w13->scalar_type() == at::kFloat && w2->scalar_type() == at::kFloat,
+                "expert panels must be packed float32 [E, panels, K, 16]");
+    TORCH_CHECK(w13->size(2) == hidden && w2->size(2) == intermediate && w2->size(1) * engine_cpu::kCols >= hidden &&
+                    w13->size(1) * engine_cpu::kCols >= 2 * intermediate,
+                "expert weights do not fit hidden size ", hidden, " and intermediate size ", intermediate);
+  }
+  TORCH_CHECK(w13_onednn.empty() || static_cast<int64_t>(w13_onednn.size()) == experts,
+              "one oneDNN weight per expert");
+  const ExpertWeightsView gate_up{w13, &w13_onednn, onednn_min_rows}, down{w2, &w2_onednn, onednn_min_rows};
   torch::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
   torch::Tensor ids = topk_ids.to(at::kLong).contiguous();
   torch::Tensor weights = topk_weights.to(at::kFloat).contiguous();
@@ -95,21 +190,16 @@ torch::Tensor fused_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2
     for (int64_t r = r0; r < r1; ++r) std::copy(xs + (choice_of_row[r] / top_k) * hidden,
                                                 xs + (choice_of_row[r] / top_k + 1) * hidden, g + r * hidden);
   });
-  torch::Tensor gate_up = at::empty({rows, 2 * intermediate}, xf.options());
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t r0 = counts[e], m = counts[e + 1] - r0;
-    if (m) expert_product(g + r0 * hidden, m, hidden, w13[e], 2 * intermediate, gate_up.data_ptr<float>() + r0 * 2 * intermediate);
-  }
-  torch::Tensor act = (at::silu(gate_up.narrow(1, 0, intermediate)) * gate_up.narrow(1, intermediate, intermediate)).contiguous();
-  torch::Tensor down = at::empty({rows, hidden}, xf.options());
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t r0 = counts[e], m = counts[e + 1] - r0;
-    if (m) expert_product(act.data_ptr<float>() + r0 * intermediate, m, intermediate, w2[e], hidden, down.data_ptr<float>() + r0 * hidden);
-  }
+  torch::Tensor gate_up_rows = at::empty({rows, 2 * intermediate}, xf.options());
+  run_products(g, hidden, gate_up, counts, 2 * intermediate, gate_up_rows.data_ptr<float>());
+  torch::Tensor act =
+      (at::silu(gate_up_rows.narrow(1, 0, intermediate)) * gate_up_rows.narrow(1, intermediate, intermediate)).contiguous();
+  torch::Tensor down_rows = at::empty({rows, hidden}, xf.options());
+  run_products(act.data_ptr<float>(), intermediate, down, counts, hidden, down_rows.data_ptr<float>());
 
   // combine: rows in expert order, so each token's outputs are added in the order of its experts' ids; threads
   // split the hidden columns (every token's sum keeps that order)
-  const float* d = down.data_ptr<float>();
+  const float* d = down_rows.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, hidden, 256, [&](int64_t c0, int64_t c1) {
@@ -129,6 +219,7 @@ torch::Tensor fused_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_experts", &engine_moe::fused_experts,
         "the routed experts' weighted output [T, H] for x [T, H] and each token's top-k experts (packed weights)",
-        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"),
-        py::arg("expert_map"), py::arg("intermediate"), pybind11::call_guard<pybind11::gil_scoped_release>());
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("w13_onednn"), py::arg("w2_onednn"),
+        py::arg("onednn_min_rows"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("expert_map"),
+        py::arg("intermediate"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

