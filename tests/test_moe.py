@@ -164,6 +164,25 @@ def test_expert_load_counts_every_routed_token(family):
     assert load, name
     for layer, counts in load.items():
         assert sum(counts) == tokens * top_k, (name, layer)
+    if inspect(llm).plugins["layer_kernels"].name == "cpu":  # packed experts: the plain copy is released
+        from engine.model.layers.moe import moe_layers
+
+        layers = moe_layers(inspect(llm).model)
+        assert layers and all(m.packed is not None and m.w13_weight.numel() == 0 for m in layers)
+    llm.shutdown()
+
+
+def test_int8_quantizes_the_dense_layers_and_says_the_experts_stay_float(family, caplog):
+    name, model_dir, _, _ = family
+    with caplog.at_level("WARNING", logger="engine.quantization.methods"):
+        llm = LLM(model_dir, dtype="float32", quantization="int8")
+    assert "quantized experts are not supported yet" in caplog.text
+    model = inspect(llm).model
+    assert getattr(model.model.layers[0].self_attn.qkv_proj, "quant_weight", None) is not None
+    routers = [m for m in model.modules() if type(m).__name__ == "ReplicatedLinear"]
+    assert routers and all(getattr(m, "quant_weight", None) is None for m in routers)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
     llm.shutdown()
 
 

@@ -122,7 +122,8 @@ class LayerKernels(Pluggable):
     def pack_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> Optional[ExpertsProduct]:
         """The routed experts' products prepared once, at load (as ``pack_linear`` prepares a linear layer's): a
         callable ``(x, topk_weights, topk_ids, expert_map) -> [T, hidden]`` doing what ``fused_moe`` does, or None
-        to keep the default. ``process_weights_after_loading`` calls it for every MoE layer."""
+        to keep the default. ``process_weights_after_loading`` calls it for every MoE layer, then releases the layer's
+        plain expert weights (the product must hold what it reads)."""
         return None
 
     def fused_moe(

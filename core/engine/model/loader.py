@@ -111,6 +111,7 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint {info.path} lacks weights for: {sorted(missing)[:8]}")
     model.eval()
+    num_parameters = sum(p.numel() for p in model.parameters())  # before packing releases any plain weight
     if quantization is not None:
         quantization.process_weights_after_loading(model)
     layer_kernels.process_weights_after_loading(model, info.dtype, device)
@@ -120,6 +121,6 @@ def load_model(
         info.format,
         str(info.dtype).replace("torch.", ""),
         time.perf_counter() - start,
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        num_parameters / 1e6,
     )
     return model

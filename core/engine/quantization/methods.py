@@ -17,6 +17,14 @@ logger = logging.getLogger(__name__)
 
 
 def _log_quantized(model: torch.nn.Module, method: str) -> None:
+    experts = [m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "w2_weight")]
+    if experts:
+        logger.warning(
+            "%s: the experts of %d MoE layers stay in the model dtype (quantized experts are not supported yet); "
+            "the attention and dense layers are quantized",
+            method,
+            len(experts),
+        )
     packed = [w for m in model.modules() if (w := getattr(m, "quant_weight", None)) is not None]
     if packed:
         formats = sorted({w.format for w in packed})

@@ -11,7 +11,7 @@ weights a chosen kind reads are kept.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,15 +48,17 @@ def measure_onednn_min_rows(
     from engine_attention_cpu import _gemm
 
     generator = torch.Generator().manual_seed(0)
-    wins, timings = [], {}
+    wins: list[tuple[int, bool]] = []
+    timings: dict[str, dict[str, float]] = {}
     for weight in (w13[0], w2[0]):
         n, k = weight.shape
         panels = _gemm.pack_weight(weight.detach().float())
-        onednn = (PackedLinear if dtype == torch.float32 else lambda w, b: PackedHalfLinear(w, b, dtype))(weight, None)
-        products = {
-            "cpu-avx2": lambda x, panels=panels, n=n: _gemm.forward(x, panels, None, n),
-            "onednn": onednn,
-        }
+        onednn = PackedLinear(weight, None) if dtype == torch.float32 else PackedHalfLinear(weight, None, dtype)
+
+        def avx2(x: torch.Tensor, panels: torch.Tensor = panels, n: int = n) -> torch.Tensor:
+            return _gemm.forward(x, panels, None, n)
+
+        products: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"cpu-avx2": avx2, "onednn": onednn}
         for rows in ROW_COUNTS:
             seconds = time_candidates(products, torch.randn(rows, k, generator=generator))
             timings[f"{n}x{k}@{rows}"] = {name: round(s * 1e6, 1) for name, s in seconds.items()}

@@ -55,10 +55,16 @@ def pack_linear_layers(
 def pack_moe_layers(model: Any, pack_experts: Callable[[torch.Tensor, torch.Tensor], Optional[ExpertsProduct]]) -> int:
     """Give every MoE layer (a module with stacked ``w13_weight`` and ``w2_weight``: ``FusedMoE``) the experts'
     products ``pack_experts(w13, w2)`` prepares (``layer.packed``); returns how many layers got one (None keeps the
-    layer kernels' default ``fused_moe``)."""
+    layer kernels' default ``fused_moe``).
+
+    Unlike a linear layer's, a packed MoE layer's plain expert weights are released (emptied, their dtype kept): the
+    experts are most of an MoE model, and a second copy of them would double its memory."""
     packed = 0
     layers = [m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "w2_weight")]
     for layer in layers:
         layer.packed = pack_experts(layer.w13_weight.data, layer.w2_weight.data)
-        packed += layer.packed is not None
+        if layer.packed is not None:
+            packed += 1
+            for param in (layer.w13_weight, layer.w2_weight):
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     return packed
