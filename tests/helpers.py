@@ -67,6 +67,18 @@ def assert_all_blocks_free(llm) -> None:
     assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0, stats
 
 
+def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, **config):
+    """Greedy token ids of ``prompts`` on a float32 ``LLM`` of ``model_dir`` (all KV blocks back after), and the LLM."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", **config)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+    )
+    assert_all_blocks_free(llm)
+    return [o.outputs[0].token_ids for o in outputs], llm
+
+
 def install_fixture_plugins(tmp_path_factory, *packages: str) -> dict:
     """Pip-install fixture distributions (tests/plugin_fixtures) into a private folder; the environment that
     puts it on PYTHONPATH."""

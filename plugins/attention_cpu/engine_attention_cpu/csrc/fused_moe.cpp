@@ -45,15 +45,18 @@ struct ExpertWeightsView {
   c10::optional<torch::Tensor> panels;         // [E, panels, K, 16] float32, or none
   const std::vector<torch::Tensor>* onednn;     // one reordered weight per expert, or empty
   int64_t onednn_min_rows;
+  // whether an expert product of m rows runs on oneDNN (else on the panels)
+  bool onednn_takes(int64_t m) const { return !onednn->empty() && (m >= onednn_min_rows || !panels.has_value()); }
 };
 
-// out[m, n] = x[m, k] @ W.T for one expert (rows are contiguous), by the kind its row count takes.
+// out[m, n] = x[m, k] @ W.T for one expert (rows are contiguous), by the kind its row count takes (products of
+// up to kSmallRows rows on the panels run in run_products' shared pass instead).
 void expert_product(const float* x, int64_t m, int64_t k, const ExpertWeightsView& weights, int64_t expert, int64_t n,
                     float* out) {
   auto options = torch::TensorOptions().dtype(at::kFloat);
   torch::Tensor rows = torch::from_blob(const_cast<float*>(x), {m, k}, options);
   torch::Tensor result = torch::from_blob(out, {m, n}, options);
-  if (!weights.onednn->empty() && (m >= weights.onednn_min_rows || !weights.panels.has_value())) {
+  if (weights.onednn_takes(m)) {
     const torch::Tensor& w = (*weights.onednn)[expert];
     torch::Tensor y = onednn_linear(w.scalar_type() == at::kFloat ? rows : rows.to(w.scalar_type()), w);
     result.copy_(y);
@@ -61,20 +64,6 @@ void expert_product(const float* x, int64_t m, int64_t k, const ExpertWeightsVie
   }
   TORCH_CHECK(weights.panels.has_value(), "no packed weights for an expert product of ", m, " rows");
   const torch::Tensor packed = (*weights.panels)[expert];
-#ifdef ENGINE_AVX2
-  if (m <= 4) {  // decode-sized: the panels split between the spin pool's threads, as engine_cpu::forward does
-    const float* w = packed.data_ptr<float>();
-    engine_pool::parallel_range(packed.size(0), 8, [&](int64_t p0, int64_t p1) {
-      switch (m) {
-        case 1: engine_cpu::gemv_panels<1>(x, k, w, k, n, nullptr, out, n, p0, p1); break;
-        case 2: engine_cpu::gemv_panels<2>(x, k, w, k, n, nullptr, out, n, p0, p1); break;
-        case 3: engine_cpu::gemv_panels<3>(x, k, w, k, n, nullptr, out, n, p0, p1); break;
-        default: engine_cpu::gemv_panels<4>(x, k, w, k, n, nullptr, out, n, p0, p1); break;
-      }
-    });
-    return;
-  }
-#endif
   engine_cpu::linear(result, rows, packed, c10::nullopt);
 }
 
@@ -90,9 +79,8 @@ void run_products(const float* x, int64_t k, const ExpertWeightsView& weights, c
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t r0 = counts[e], m = counts[e + 1] - r0;
     if (m == 0) continue;
-    const bool onednn = !weights.onednn->empty() && (m >= weights.onednn_min_rows || !weights.panels.has_value());
 #ifdef ENGINE_AVX2
-    if (!onednn && m <= kSmallRows) {
+    if (!weights.onednn_takes(m) && m <= kSmallRows) {
       small.push_back(e);
       item_start.push_back(item_start.back() + weights.panels->size(1));
       continue;
