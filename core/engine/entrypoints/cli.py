@@ -84,6 +84,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("  ".join(h.upper().ljust(widths.get(h, 0)) for h in headers))
     for row in rows:
         print("  ".join(row[h].ljust(widths.get(h, 0)) for h in headers))
+    mla = [row for row in rows if "mla" in row]
+    if mla:
+        print("\nMLA (multi-head latent attention: DeepSeek-V2/V3) per attention backend:")
+        width = max(len(row["name"]) for row in mla)
+        for row in mla:
+            print(f"  {row['name'].ljust(width)}  {row['mla']}")
     return 0
 
 

@@ -84,8 +84,54 @@ class AttentionImpl(ABC):
         """query [T, Hq*D], key/value [T, Hkv*D] -> output [T, Hq*D]; new K/V go into ``kv_cache``."""
 
 
+class MLAAttentionImpl(ABC):
+    """Multi-head latent attention (DeepSeek-V2/V3) for one layer over a cache of one latent vector per token.
+
+    The cache row of a token is ``kv_c_normed`` (``kv_lora_rank`` values) followed by its rotated ``k_pe``
+    (``qk_rope_head_dim``). ``kv_b_weight`` [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] is this rank's
+    slice of the layer's ``kv_b_proj``: it expands a latent into the per-head key (nope part) and value, or is
+    absorbed into the query and output (decode).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        kv_b_weight: torch.Tensor,
+        options: Optional[dict[str, Any]] = None,
+    ):
+        self.num_heads = num_heads
+        self.scale = scale
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.kv_b_weight = kv_b_weight
+        self.options = options or {}
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """query [T, H, nope + rope] (rotated), kv_c_normed [T, kv_lora_rank], k_pe [T, rope] (rotated)
+        -> output [T, H * v_head_dim]; the new latents go into ``kv_cache``."""
+
+
 class AttentionBackend(Pluggable):
-    """A named attention implementation: what it supports and the classes that do the work."""
+    """A named attention implementation: what it supports and the classes that do the work.
+
+    A backend serves MLA models (DeepSeek-V2/V3) when ``get_mla_impl_cls`` returns an implementation; the same
+    metadata builder serves both kinds. ``mla_unsupported_reason`` says why one does not.
+    """
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes: ClassVar[Optional[tuple[int, ...]]] = None  # None: any
@@ -98,6 +144,18 @@ class AttentionBackend(Pluggable):
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache; default: K and V stacked, [2, blocks, block_size, heads, dim]."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    mla_unsupported_reason: ClassVar[str] = "it has no MLA implementation"
+
+    @staticmethod
+    def get_mla_kv_cache_shape(num_blocks: int, block_size: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one MLA layer's cache: one latent row (kv_lora_rank + rope dims) per token."""
+        return (num_blocks, block_size, head_size)
+
+    @staticmethod
+    def get_mla_impl_cls() -> Optional[type[MLAAttentionImpl]]:
+        """The multi-head latent attention implementation; None: this backend cannot serve MLA models."""
+        return None
 
     @staticmethod
     @abstractmethod
@@ -124,7 +182,10 @@ class AttentionBackend(Pluggable):
         if info is not None:
             if info.dtype not in cls.supported_dtypes:
                 reasons.append(f"dtype {info.dtype} unsupported")
-            if cls.supported_head_sizes is not None and info.head_size not in cls.supported_head_sizes:
+            if info.use_mla:
+                if cls.get_mla_impl_cls() is None:
+                    reasons.append(f"MLA (multi-head latent attention) unsupported: {cls.mla_unsupported_reason}")
+            elif cls.supported_head_sizes is not None and info.head_size not in cls.supported_head_sizes:
                 reasons.append(f"head size {info.head_size} unsupported (supports {cls.supported_head_sizes})")
             if info.sliding_window and not cls.supports_sliding_window:
                 reasons.append("sliding-window attention unsupported")

@@ -41,6 +41,16 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """A multi-head latent attention layer: one latent row per token (``num_kv_heads`` 1, ``head_size`` the latent
+    plus the rotary part), not a key and a value per head."""
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers that share one block table."""
 

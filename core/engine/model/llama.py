@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM head over LlamaModel; ``load_weights`` takes Hugging Face tensor names."""
 
     model_cls: type[LlamaModel] = LlamaModel
-    attention_cls = LlamaAttention
+    attention_cls: type[nn.Module] = LlamaAttention
     supports_pp = True  # builds only its pipeline stage's layers; forward takes intermediate_tensors
     # checkpoint name piece -> (fused parameter name piece, shard id)
     stacked_params_mapping = [

@@ -65,6 +65,11 @@ class ModelInfo:
         return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.num_heads
 
     @property
+    def use_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): the cache holds one latent vector per token."""
+        return getattr(self.hf_config, "kv_lora_rank", None) is not None
+
+    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 

@@ -68,6 +68,8 @@ _BUILTIN = {
     "MixtralForCausalLM": "engine.model.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "engine.model.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "engine.model.qwen_moe:Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "engine.model.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "engine.model.deepseek_v2:DeepseekV3ForCausalLM",
 }
 
 

@@ -142,3 +142,56 @@ def check_backend(
     key_cache = case["cache"][0].transpose(1, 2) if head_major else case["cache"][0]
     cached_k = key_cache.reshape(-1, num_kv_heads, head_size)[slots]
     torch.testing.assert_close(cached_k.float().cpu(), case["k"].to(dtype).float())
+
+
+MLA_DIMS = dict(kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=16)
+
+
+def check_mla_backend(
+    backend: type[AttentionBackend], device: str, block_size: int, dtype: torch.dtype, num_heads: int = 5
+) -> None:
+    """AssertionError unless ``backend``'s MLA implementation gives the float64 expanded-form reference on a mixed
+    batch (prefills, decodes, chunks after cached prefixes) and writes each new latent row into its cache slot."""
+    impl_cls = backend.get_mla_impl_cls()
+    assert impl_cls is not None, f"{backend.name} serves no MLA"
+    rank, nope, rope, v_dim = (
+        MLA_DIMS[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
+    latent = rank + rope
+    # the same requests as the per-head check; one "KV head" of latent rows stands for each token's K and V
+    case = make_case(block_size + num_heads, block_size, num_heads, 1, latent, dtype, "cpu")
+    gen = torch.Generator().manual_seed(block_size)
+    w_kv_b = torch.randn(num_heads * (nope + v_dim), rank, generator=gen) / rank**0.5
+    queries = [torch.randn(q.shape[0], num_heads, nope + rope, generator=gen) for q in case["q_list"]]
+    num_blocks = case["cache"].shape[1]
+    layout = backend.get_mla_kv_cache_shape(num_blocks, block_size, latent)
+    assert layout == (num_blocks, block_size, latent), f"{backend.name}: test knows no MLA cache layout {layout}"
+    cache = case["cache"][0, :, :, 0].contiguous().to(device)  # the cached prefixes' latent rows
+    scale = 1 / math.sqrt(nope + rope)
+    impl = impl_cls(num_heads, scale, rank, nope, rope, v_dim, w_kv_b.to(device, dtype), {})
+    metadata = backend.get_builder_cls()({}, torch.device(device), block_size).build(case["common"])
+    new_latents = case["k"][:, 0]
+    tokens = new_latents.shape[0]
+    out = impl.forward(
+        torch.cat(queries).to(device, dtype),
+        new_latents[:, :rank].to(device, dtype).contiguous(),
+        new_latents[:, rank:].to(device, dtype).contiguous(),
+        cache,
+        metadata,
+    )
+    expected = []
+    w = w_kv_b.double().view(num_heads, nope + v_dim, rank)
+    for (context, query), rows, q in zip(case["shapes"], case["k_full"], queries):
+        rows = rows[:, 0].to(dtype).double()  # what the cache holds
+        kv = torch.einsum("hcr,sr->shc", w, rows[:, :rank])
+        keys = torch.cat([kv[..., :nope], rows[:, None, rank:].expand(-1, num_heads, rope)], -1)
+        for i in range(query):
+            pos = context + i
+            scores = torch.einsum("hd,shd->hs", q[i].to(dtype).double(), keys[: pos + 1]) * scale
+            expected.append(torch.einsum("hs,shv->hv", scores.softmax(-1), kv[: pos + 1, :, nope:]))
+    tolerance = 2e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(
+        out.view(tokens, num_heads, v_dim).double().cpu(), torch.stack(expected), atol=tolerance, rtol=tolerance
+    )
+    slots = case["common"].slot_mapping.to(device)
+    torch.testing.assert_close(cache.view(-1, latent)[slots].float().cpu(), new_latents.to(dtype).float())

@@ -20,8 +20,8 @@ from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUns
 from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.interfaces.sampler import SamplingMetadata
-from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from engine.model.layers.attention import Attention
+from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec, SlidingWindowSpec
+from engine.model.layers.attention import Attention, MLAAttention
 from engine.model.layers.moe import expert_load
 from engine.model.loader import load_model
 from engine.model.model_info import ModelInfo
@@ -79,7 +79,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch: Optional[InputBatch] = None  # made with the KV caches (it needs their block sizes)
         self.model: Optional[torch.nn.Module] = None
-        self.attention_layers: dict[str, Attention] = {}
+        self.attention_layers: dict[str, Attention | MLAAttention] = {}
         self.builders: list[Any] = []
         self.decode_step: Optional[CapturedDecodeStep] = None  # the captured decode step, unless enforce_eager
         self.num_captured_steps = 0  # steps the capture ran (the rest ran eagerly)
@@ -104,7 +104,7 @@ class ModelRunner:
         )
         options = self.vllm_config.attention.options
         for module in self.model.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, (Attention, MLAAttention)):
                 module.bind(self.attention_backend, options)
                 self.attention_layers[module.layer_name] = module
         if self.proposer is not None:
@@ -118,11 +118,12 @@ class ModelRunner:
         specs: dict[str, FullAttentionSpec] = {}
         for name, layer in self.attention_layers.items():
             shape = (self.block_size, layer.num_kv_heads, layer.head_size, self.model_info.dtype)
-            specs[name] = (
-                SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
-                if layer.sliding_window
-                else FullAttentionSpec(*shape)
-            )
+            if isinstance(layer, MLAAttention):
+                specs[name] = MLAAttentionSpec(*shape)
+            elif layer.sliding_window:
+                specs[name] = SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
+            else:
+                specs[name] = FullAttentionSpec(*shape)
         return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -135,9 +136,14 @@ class ModelRunner:
             if not names:
                 continue
             own = own_specs[names[0]]
-            shape = self.attention_backend.get_kv_cache_shape(
-                kv_cache_config.num_blocks, own.block_size, own.num_kv_heads, own.head_size
-            )
+            if isinstance(own, MLAAttentionSpec):
+                shape = self.attention_backend.get_mla_kv_cache_shape(
+                    kv_cache_config.num_blocks, own.block_size, own.head_size
+                )
+            else:
+                shape = self.attention_backend.get_kv_cache_shape(
+                    kv_cache_config.num_blocks, own.block_size, own.num_kv_heads, own.head_size
+                )
             tensor = torch.zeros(shape, dtype=own.dtype, device=self.device)
             for name in names:
                 self.attention_layers[name].kv_cache = tensor

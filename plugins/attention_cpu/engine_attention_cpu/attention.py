@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from engine.attention.mla import MLACommonImpl
 from engine.attention.torch_backend import PrefillChunk, TorchAttentionImpl, TorchAttentionMetadataBuilder
 from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
 
@@ -128,6 +129,46 @@ class CpuAttentionImpl(TorchAttentionImpl):
         return cache[block_ids].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
 
 
+class CpuMLAImpl(MLACommonImpl):
+    """MLA on the CPU: decode rows through the paged decode kernel in the absorbed form (the latent cache is one KV
+    head of ``kv_lora_rank + rope`` dims shared by every query head, its values the first ``kv_lora_rank`` of each
+    row), read in place; prompt chunks expanded through torch's SDPA."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from engine_attention_cpu import _C
+
+        self._decode = _C.paged_decode_attention
+
+    def forward(self, query, kv_c_normed, k_pe, kv_cache, attn_metadata: CpuAttentionMetadata):
+        num_tokens = attn_metadata.num_actual_tokens
+        latents = torch.cat([kv_c_normed, k_pe], dim=-1)
+        self.write_latents(latents, kv_cache, attn_metadata.slot_mapping)
+        output = query.new_empty(num_tokens, self.num_heads * self.v_head_dim)
+        idx = attn_metadata.decode_token_indices
+        if idx is not None:
+            rows = query if attn_metadata.all_decode else query[idx]
+            q_latent = self.absorbed_queries(rows).contiguous()
+            cache = kv_cache.unsqueeze(2)  # [blocks, block_size, 1, L + rope]
+            latent_out = q_latent.new_empty(len(idx), self.num_heads, self.kv_lora_rank)
+            self._decode(
+                latent_out,
+                q_latent,
+                cache,
+                cache[..., : self.kv_lora_rank],
+                attn_metadata.decode_block_table,
+                attn_metadata.decode_seq_lens,
+                self.scale,
+                0.0,
+                0,
+            )
+            if attn_metadata.all_decode:
+                return self.values_from_latents(latent_out)
+            output[idx] = self.values_from_latents(latent_out)
+        self.attend_prefills(query, latents, kv_cache, attn_metadata.prefills, output)
+        return output
+
+
 class CpuAttentionBackend(AttentionBackend):
     """Paged attention for CPUs; ``auto`` prefers it over ``torch`` whenever its kernel is built."""
 
@@ -153,3 +194,7 @@ class CpuAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls():
         return CpuAttentionMetadataBuilder
+
+    @staticmethod
+    def get_mla_impl_cls():
+        return CpuMLAImpl

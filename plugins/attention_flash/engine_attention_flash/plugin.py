@@ -89,6 +89,9 @@ class FlashAttentionBackend(AttentionBackend):
     supported_head_sizes = tuple(range(8, 257, 8))
     supported_block_sizes = (256, 512)
     supported_devices = ("cuda",)
+    # FlashAttention's varlen kernel takes per-head K and V of one head size; MLA's decode needs a latent cache
+    # of kv_lora_rank + rope dims shared by all heads, which flash-attn (2.x) has no paged kernel for
+    mla_unsupported_reason = "flash-attn has no paged kernel over a shared latent cache (use cpu, triton or torch)"
 
     @classmethod
     def library_reasons(cls) -> list[str]:

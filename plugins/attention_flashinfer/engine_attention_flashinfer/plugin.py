@@ -137,6 +137,9 @@ class FlashInferBackend(AttentionBackend):
     supported_head_sizes = (64, 128, 256)
     supported_block_sizes = (8, 16, 32, 64, 128, 256)
     supported_devices = ("cuda",)
+    # flashinfer's own MLA wrapper (BatchMLAPagedAttentionWrapper) takes split ckv / kpe caches and is not wired
+    # into this plugin yet
+    mla_unsupported_reason = "this plugin does not wire flashinfer's MLA wrapper yet (use cpu, triton or torch)"
 
     @classmethod
     def library_reasons(cls) -> list[str]:

@@ -10,11 +10,14 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from engine import hookimpl
+from engine.attention.mla import MLACommonImpl
+from engine.attention.torch_metadata import TorchAttentionMetadata, TorchAttentionMetadataBuilder
 from engine.interfaces.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -48,6 +51,9 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32
     token_request: torch.Tensor  # [T] int32: row of each query token's request
     token_position: torch.Tensor  # [T] int32: position of each query token
+    common: CommonAttentionMetadata
+    options: dict[str, Any]
+    mla_split: Optional[TorchAttentionMetadata] = None  # decode rows and prompt chunks, made by the first MLA layer
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -66,6 +72,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             common.block_table.to(self.device),
             to(token_request),
             to(token_position),
+            common,
+            self.options,
         )
 
 
@@ -134,6 +142,63 @@ class TritonAttentionImpl(AttentionImpl):
         return output.view(tokens, self.num_heads * head)
 
 
+class TritonMLAImpl(MLACommonImpl):
+    """MLA in Triton: decode tokens in the absorbed form through the paged attention kernel (the latent cache as one
+    KV head serving as keys and, its first ``kv_lora_rank`` columns, values); prompt chunks expanded through SDPA."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernels = None
+
+    def forward(self, query, kv_c_normed, k_pe, kv_cache, attn_metadata: TritonAttentionMetadata):
+        if self.kernels is None:
+            self.kernels = _kernels(query.device)
+        import triton
+
+        if attn_metadata.mla_split is None:  # once per step, shared by every MLA layer
+            builder = TorchAttentionMetadataBuilder(attn_metadata.options, query.device, kv_cache.shape[1])
+            attn_metadata.mla_split = builder.build(attn_metadata.common)
+        split = attn_metadata.mla_split
+        latents = torch.cat([kv_c_normed, k_pe], dim=-1)
+        self.write_latents(latents, kv_cache, attn_metadata.slot_mapping)
+        output = query.new_empty(attn_metadata.num_actual_tokens, self.num_heads * self.v_head_dim)
+        idx = split.decode_token_indices
+        if idx is not None:
+            q_latent = self.absorbed_queries(query[idx]).contiguous()  # [Bd, H, L + rope]
+            cache = kv_cache.unsqueeze(2)  # [blocks, block_size, 1, L + rope]
+            latent_out = torch.empty_like(q_latent)
+            head = self.latent_size
+            self.kernels.paged_attention_kernel[(len(idx), self.num_heads)](
+                latent_out,
+                q_latent,
+                cache,
+                cache,
+                attn_metadata.block_table,
+                attn_metadata.token_request[idx.to(query.device)],
+                attn_metadata.token_position[idx.to(query.device)],
+                self.scale,
+                0.0,
+                0,
+                q_latent.stride(0),
+                q_latent.stride(1),
+                latent_out.stride(0),
+                latent_out.stride(1),
+                cache.stride(0),
+                cache.stride(1),
+                cache.stride(2),
+                attn_metadata.block_table.stride(0),
+                QUERIES_PER_KV=self.num_heads,
+                BLOCK_SIZE=cache.shape[1],
+                HEAD_DIM=head,
+                BLOCK_D=triton.next_power_of_2(head),
+                USE_SOFT_CAP=False,
+                USE_WINDOW=False,
+            )
+            output[idx] = self.values_from_latents(latent_out[..., : self.kv_lora_rank])
+        self.attend_prefills(query, latents, kv_cache, split.prefills, output)
+        return output
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton: CUDA, or the CPU through the interpreter."""
 
@@ -169,6 +234,10 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls():
         return TritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_mla_impl_cls():
+        return TritonMLAImpl
 
 
 @hookimpl

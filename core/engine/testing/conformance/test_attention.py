@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.testing.attention import check_backend, unsupported
+from engine.testing.attention import check_backend, check_mla_backend, unsupported
 from engine.testing.conformance.conftest import implementation
 
 
@@ -26,3 +26,18 @@ def test_attention_matches_the_reference(attention_name, block_size, heads, vari
     if why_not:
         pytest.skip(why_not)
     check_backend(backend, device, block_size, *heads, variant, dtype)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_matches_the_reference(attention_name, block_size, dtype):
+    """A backend that serves MLA (``get_mla_impl_cls``) gives the expanded-form reference on a mixed batch."""
+    backend = implementation("attention", attention_name).cls
+    if backend.get_mla_impl_cls() is None:
+        pytest.skip(f"{backend.name} does not serve MLA: {backend.mla_unsupported_reason}")
+    device = (
+        "cuda" if torch.cuda.is_available() and "cuda" in getattr(backend, "supported_devices", ("cuda",)) else "cpu"
+    )
+    if dtype not in backend.supported_dtypes:
+        pytest.skip(f"{backend.name} does not support {dtype}")
+    check_mla_backend(backend, device, block_size, dtype)

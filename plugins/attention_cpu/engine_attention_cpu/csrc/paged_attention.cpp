@@ -163,14 +163,17 @@ void weigh_rows(float* out, const float* p, const scalar_t* cache, const int32_t
 }
 
 // Attention of G consecutive query heads (sharing one KV head) of one request: q and acc hold G rows.
+// acc holds G rows of v_size (the value rows may be narrower than the key rows: MLA's latent cache serves as both,
+// its values being the first v_size columns).
 template <int G, typename scalar_t>
 void attend_heads(float* acc, float* scores, const float* q, const scalar_t* keys, const scalar_t* values,
                   const int32_t* table, int64_t block_size, int64_t kc_block, int64_t kc_tok, int64_t vc_block,
-                  int64_t vc_tok, int64_t first, int64_t last, int64_t head_size, float scale, float cap) {
+                  int64_t vc_tok, int64_t first, int64_t last, int64_t head_size, int64_t v_size, float scale,
+                  float cap) {
   const int64_t n = last - first;
   score_rows<G>(scores, q, keys, table, block_size, kc_block, kc_tok, first, last, head_size, scale, cap);
   for (int g = 0; g < G; ++g) softmax(scores + g * n, n);
-  weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, head_size);
+  weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, v_size);
 }
 
 constexpr int64_t kSerialWork = 1 << 17;  // context tokens x query heads x head size
@@ -182,6 +185,7 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   const int64_t num_rows = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
+  const int64_t v_size = value_cache.size(3);
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -204,13 +208,15 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   // the 16 vector registers, and each chunk reads the group's K and V rows once
   const int64_t num_chunks = (group + 2) / 3;
 
-  // (request, KV head) items, longest first, each taken by whichever thread is free: request lengths
-  // vary tenfold, and an even split of the item range would leave one thread waiting for the other
-  const int64_t num_items = num_rows * num_kv_heads;
+  // (request, KV head, chunk of heads) items, longest first, each taken by whichever thread is free: request
+  // lengths vary tenfold, and an even split of the item range would leave one thread waiting for the other; a
+  // request with few KV heads (one, under MLA) still spreads over the threads by its chunks of query heads
+  const int64_t num_items = num_rows * num_kv_heads * num_chunks;
+  const int64_t items_per_row = num_kv_heads * num_chunks;
   std::vector<int64_t> order(num_items);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lens_ptr[a / num_kv_heads] > lens_ptr[b / num_kv_heads];
+    return lens_ptr[a / items_per_row] > lens_ptr[b / items_per_row];
   });
   std::atomic<int64_t> next_item{0};
   // one thread when the whole step is a few microseconds of work: waking another would cost more
@@ -218,37 +224,35 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   for (int64_t r = 0; r < num_rows; ++r) context += lens_ptr[r];
   const int64_t threads = context * num_heads * head_size < kSerialWork ? 1 : at::get_num_threads();
   at::parallel_for(0, std::min<int64_t>(threads, num_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> q(3 * head_size), acc(3 * head_size), scores;
+    std::vector<float> q(3 * head_size), acc(3 * v_size), scores;
     for (int64_t taken = next_item++; taken < num_items; taken = next_item++) {
       const int64_t item = order[taken];
-      const int64_t row = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+      const int64_t row = item / items_per_row;
+      const int64_t kv_head = item % items_per_row / num_chunks;
+      const int64_t chunk = item % num_chunks;
       const int64_t seq_len = lens_ptr[row];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       scores.resize(3 * (seq_len - first));
       const int32_t* table = table_ptr + row * table_row;
       const scalar_t* keys = k_ptr + kv_head * kc_head;
       const scalar_t* values = v_ptr + kv_head * vc_head;
-      int64_t head = kv_head * group;
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        const int64_t heads = group / num_chunks + (c < group % num_chunks ? 1 : 0);
-        for (int64_t g = 0; g < heads; ++g) {
-          const scalar_t* src = q_ptr + row * q_tok + (head + g) * q_head;
-          for (int64_t d = 0; d < head_size; ++d) q[g * head_size + d] = as_float(src[d]);
-        }
-        auto attend = [&](auto heads_constant) {
-          constexpr int G = decltype(heads_constant)::value;
-          attend_heads<G>(acc.data(), scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok,
-                          vc_block, vc_tok, first, seq_len, head_size, fscale, fcap);
-        };
-        if (heads == 3) attend(std::integral_constant<int, 3>{});
-        else if (heads == 2) attend(std::integral_constant<int, 2>{});
-        else attend(std::integral_constant<int, 1>{});
-        for (int64_t g = 0; g < heads; ++g) {
-          scalar_t* dst = out_ptr + row * o_tok + (head + g) * o_head;
-          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_size + d]);
-        }
-        head += heads;
+      const int64_t heads = group / num_chunks + (chunk < group % num_chunks ? 1 : 0);
+      const int64_t head = kv_head * group + chunk * (group / num_chunks) + std::min(chunk, group % num_chunks);
+      for (int64_t g = 0; g < heads; ++g) {
+        const scalar_t* src = q_ptr + row * q_tok + (head + g) * q_head;
+        for (int64_t d = 0; d < head_size; ++d) q[g * head_size + d] = as_float(src[d]);
+      }
+      auto attend = [&](auto heads_constant) {
+        constexpr int G = decltype(heads_constant)::value;
+        attend_heads<G>(acc.data(), scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok,
+                        vc_block, vc_tok, first, seq_len, head_size, v_size, fscale, fcap);
+      };
+      if (heads == 3) attend(std::integral_constant<int, 3>{});
+      else if (heads == 2) attend(std::integral_constant<int, 2>{});
+      else attend(std::integral_constant<int, 1>{});
+      for (int64_t g = 0; g < heads; ++g) {
+        scalar_t* dst = out_ptr + row * o_tok + (head + g) * o_head;
+        for (int64_t d = 0; d < v_size; ++d) dst[d] = static_cast<scalar_t>(acc[g * v_size + d]);
       }
     }
   });
@@ -256,14 +260,20 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
 
 }  // namespace
 
-// out/query [rows, Hq, D]; key_cache/value_cache [blocks, block_size, Hkv, D]; block_table [rows, max_blocks]
+// query [rows, Hq, D], out [rows, Hq, Dv]; key_cache [blocks, block_size, Hkv, D], value_cache the same with Dv <= D
+// (MLA passes its latent cache as both, the values a prefix of each row); block_table [rows, max_blocks]
 // int32; seq_lens [rows] int32 (the query is the token at position seq_len - 1).
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
                             double scale, double soft_cap, int64_t sliding_window) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [rows, heads, head_size]");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "caches must be [blocks, block_size, kv_heads, head_size]");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.size(0) == query.size(0) && out.size(1) == query.size(1),
+              "query must be [rows, heads, head_size] and out [rows, heads, value size]");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && value_cache.size(0) == key_cache.size(0) &&
+                  value_cache.size(1) == key_cache.size(1) && value_cache.size(2) == key_cache.size(2),
+              "caches must be [blocks, block_size, kv_heads, head_size] (values may be narrower than keys)");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "head sizes differ");
+  TORCH_CHECK(out.size(2) == value_cache.size(3) && value_cache.size(3) <= key_cache.size(3),
+              "out's last dimension must be the value size, at most the key size");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "the head dimension must be contiguous");

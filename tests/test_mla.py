@@ -1,0 +1,168 @@
+"""DeepSeek-V2 / V3 with multi-head latent attention against transformers on tiny random models: greedy parity with
+chunked prefill, preemption, prefix-cache hits, async scheduling and tensor parallelism, on the cpu, torch and triton
+backends; the latent cache's spec and shape; YaRN's rotary table; backends that cannot serve MLA say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
+from engine.testing import inspect
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts
+
+MAX_TOKENS = 12
+PROMPTS = random_prompts(4, (6, 44), seed=31)
+MLA_SHAPE = dict(
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_key_value_heads=4,
+    head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    num_hidden_layers=2,
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+FAMILIES = {
+    # no q_lora_rank (q_proj), greedy softmax routing, interleaved rotary pairs
+    "deepseek-v2": ("DeepseekV2Config", dict(MLA_SHAPE, q_lora_rank=None, topk_method="greedy")),
+    # q_lora_rank (q_a_proj -> norm -> q_b_proj), YaRN with mscale, group-limited sigmoid routing
+    "deepseek-v3": ("DeepseekV3Config", dict(MLA_SHAPE, q_lora_rank=24, n_group=2, topk_group=1, rope_parameters=YARN)),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, make_tiny_model):
+    config_cls, overrides = FAMILIES[request.param]
+    model_dir = make_tiny_model(config_cls, **overrides)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return request.param, model_dir, hf_model, hf_greedy(hf_model, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"block_size": 8, "max_num_batched_tokens": 12},  # chunked prefill: chunks after cached latents
+        {"num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96},  # preemption and recompute
+        {"async_scheduling": True, "max_num_batched_tokens": 24},
+        {"attention": "torch", "layer_kernels": "native"},  # the torch reference of MLA
+    ],
+    ids=["default", "chunked", "preempt", "async", "torch-reference"],
+)
+def test_mla_family_greedy_matches_transformers(family, config):
+    name, model_dir, _, reference = family
+    tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, **config)
+    assert tokens == reference, name
+    if "num_gpu_blocks_override" in config:
+        assert llm.get_stats().num_preemptions > 0
+    llm.shutdown()
+
+
+def test_mla_prefix_cache_hits_equal_the_cold_run(family):
+    name, model_dir, hf_model, _ = family
+    shared = random_prompts(1, (32, 32), seed=5)[0]
+    prompts = [shared + tail for tail in random_prompts(3, (2, 9), seed=6)]
+    reference = hf_greedy(hf_model, prompts, 8)
+    llm = LLM(model_dir, dtype="float32", block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for _ in range(2):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference, name
+    assert llm.get_stats().prefix_cache_hits >= 5 * 32
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_mla_on_the_triton_backend_matches_transformers(make_tiny_model):
+    """The interpreted Triton kernels decode over the latent cache (a short run: the interpreter is slow)."""
+    config_cls, overrides = FAMILIES["deepseek-v3"]
+    model_dir = make_tiny_model(config_cls, **overrides)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = PROMPTS[:2]
+    tokens, llm = engine_greedy(model_dir, prompts, 6, attention="triton", max_num_batched_tokens=16)
+    assert tokens == hf_greedy(hf_model, prompts, 6)
+    llm.shutdown()
+
+
+def test_mla_tensor_parallel_matches_transformers(make_tiny_model):
+    """TP=2 splits the heads (q, kv_b and o projections); every rank caches the whole latent."""
+    config_cls, overrides = FAMILIES["deepseek-v3"]
+    model_dir = make_tiny_model(config_cls, **overrides)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = PROMPTS[:3]
+    tokens, llm = engine_greedy(model_dir, prompts, MAX_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=16)
+    assert tokens == hf_greedy(hf_model, prompts, MAX_TOKENS)
+    llm.shutdown()
+
+
+def test_the_latent_cache_holds_one_row_per_token(make_tiny_model):
+    """An MLA layer's cache is [blocks, block_size, kv_lora_rank + rope]: a page is a quarter of what per-head K/V
+    of this model (4 heads of 24 + 16 dims) would take, so the same budget holds that many more blocks."""
+    from engine.kv_cache.spec import MLAAttentionSpec
+
+    config_cls, overrides = FAMILIES["deepseek-v2"]
+    llm = LLM(make_tiny_model(config_cls, **overrides), dtype="float32", block_size=16, kv_cache_memory=2**20)
+    runner = inspect(llm).model_runner
+    specs = runner.get_kv_cache_spec()
+    assert all(isinstance(spec, MLAAttentionSpec) for spec in specs.values()) and len(specs) == 2
+    spec = next(iter(specs.values()))
+    assert (spec.num_kv_heads, spec.head_size) == (1, 32 + 8)
+    assert spec.page_size_bytes == 16 * 40 * 4
+    layer = next(iter(runner.attention_layers.values()))
+    num_blocks = llm.get_stats().num_total_blocks
+    assert tuple(layer.kv_cache.shape) == (num_blocks, 16, 40)
+    assert num_blocks == 2**20 // (2 * spec.page_size_bytes)  # two layers' pages per block
+    llm.shutdown()
+
+
+def test_a_backend_without_mla_is_refused_with_its_reason(make_tiny_model):
+    config_cls, overrides = FAMILIES["deepseek-v2"]
+    with pytest.raises(ConfigError, match="MLA"):
+        LLM(make_tiny_model(config_cls, **overrides), attention="flash")
+
+
+def test_yarn_rotary_table_matches_transformers():
+    """DeepSeek's YaRN: the interpolated / extrapolated frequency blend and the cos / sin magnitude (attention factor),
+    against transformers' rotary embedding."""
+    import transformers
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    from engine.model.layers.rotary import RotaryEmbedding
+
+    config = transformers.DeepseekV3Config(**dict(MLA_SHAPE, rope_parameters=YARN), max_position_embeddings=1024)
+    hf_rope = modeling_deepseek_v3.DeepseekV3RotaryEmbedding(config)
+    positions = torch.arange(0, 1024, 7)
+    cos, sin = hf_rope(torch.zeros(1), positions[None])
+    ours = RotaryEmbedding(8, 1024, 10000.0, YARN)
+    torch.testing.assert_close(ours.table.cos[positions], cos[0].float())
+    torch.testing.assert_close(ours.table.sin[positions][:, 4:], sin[0].float()[:, 4:])
+
+
+def test_mla_in_bfloat16_stays_close_to_float32(family):
+    """bfloat16 latents and absorbed products: the first greedy token of each prompt agrees with float32's."""
+    name, model_dir, _, reference = family
+    llm = LLM(model_dir, dtype="bfloat16")
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )
+    first = [o.outputs[0].token_ids[0] for o in outputs]
+    assert sum(a == r[0] for a, r in zip(first, reference)) >= len(PROMPTS) - 1, (name, first)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
