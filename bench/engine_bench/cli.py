@@ -257,7 +257,7 @@ def _print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
 
 
 def _variant_dtypes(base: dict, variants: list[tuple[str, dict]]) -> list[str]:
-    """The model dtype of each variant (``--dtype float32,bfloat16`` makes one variant per dtype; float32 when unset)."""
+    """The model dtype of each variant (``--dtype float32,bfloat16`` makes a variant per dtype; float32 if unset)."""
     default = base.get("model", {}).get("dtype", "float32")
     return [over.get("model.dtype", default) for _, over in variants] or [default]
 
