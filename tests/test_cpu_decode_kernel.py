@@ -59,3 +59,29 @@ def test_decode_kernel_matches_softmax_attention(num_heads, num_kv_heads, head_s
             expected = reference(q[row], keys, values, scale, cap)
             tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(out[row].double(), expected, **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 9], ids=["heads-split-over-items", "whole-requests"])
+@pytest.mark.parametrize("num_heads", [16, 5, 1])
+@pytest.mark.parametrize("latent,rank", [(576, 512), (40, 32), (20, 12)], ids=["deepseek", "tiny", "scalar-tail"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_decode_kernel_matches_softmax_over_latents(rows, num_heads, latent, rank, dtype):
+    """csrc/mla_decode.cpp: every head over the same paged latent rows, values their first ``rank`` columns; few
+    requests split their heads over work items, many run whole; head counts off the 4-head tile, latent sizes off the
+    vector width."""
+    from engine_attention_cpu import _mla
+
+    gen = torch.Generator().manual_seed(rows * num_heads + latent)
+    block_size, num_blocks = 16, 96
+    lens = torch.randint(1, 130, (rows,), generator=gen, dtype=torch.int32)
+    table = torch.randperm(num_blocks, generator=gen)[: rows * 9].view(rows, 9).to(torch.int32).contiguous()
+    cache = torch.randn(num_blocks, block_size, latent, generator=gen).to(dtype)
+    query = torch.randn(rows, num_heads, latent, generator=gen).to(dtype)
+    out = torch.empty(rows, num_heads, rank, dtype=dtype)
+    scale = 0.1
+    _mla.mla_decode_attention(out, query, cache, table, lens, scale)
+    for r in range(rows):
+        rows_of_r = cache[table[r].long()].reshape(-1, latent)[: int(lens[r])].double()
+        p = (query[r].double() @ rows_of_r.T * scale).softmax(-1)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[r].double(), p @ rows_of_r[:, :rank], atol=tolerance, rtol=tolerance)

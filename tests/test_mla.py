@@ -47,27 +47,55 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+_REFERENCES: dict = {}
+
+
+def family_model(make_tiny_model, name: str):
+    """(model folder, transformers model, transformers' greedy tokens of PROMPTS), made once per family."""
+    if name not in _REFERENCES:
+        config_cls, overrides = FAMILIES[name]
+        model_dir = make_tiny_model(config_cls, **overrides)
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _REFERENCES[name] = (model_dir, hf_model, hf_greedy(hf_model, PROMPTS, MAX_TOKENS))
+    return _REFERENCES[name]
+
+
+@pytest.fixture(params=list(FAMILIES))
 def family(request, make_tiny_model):
-    config_cls, overrides = FAMILIES[request.param]
-    model_dir = make_tiny_model(config_cls, **overrides)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return request.param, model_dir, hf_model, hf_greedy(hf_model, PROMPTS, MAX_TOKENS)
+    return (request.param, *family_model(make_tiny_model, request.param))
+
+
+CHUNKED = {"block_size": 8, "max_num_batched_tokens": 12}  # chunked prefill: chunks after cached latents
+PREEMPT = {"num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96}  # preemption and recompute
+ASYNC = {"async_scheduling": True, "max_num_batched_tokens": 24}
+REFERENCE = {"attention": "torch", "layer_kernels": "native"}  # the torch reference of MLA
 
 
 @pytest.mark.parametrize(
-    "config",
+    "name,config",
     [
-        {},
-        {"block_size": 8, "max_num_batched_tokens": 12},  # chunked prefill: chunks after cached latents
-        {"num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96},  # preemption and recompute
-        {"async_scheduling": True, "max_num_batched_tokens": 24},
-        {"attention": "torch", "layer_kernels": "native"},  # the torch reference of MLA
+        ("deepseek-v2", {}),
+        ("deepseek-v2", PREEMPT),
+        ("deepseek-v2", REFERENCE),
+        ("deepseek-v3", {}),
+        ("deepseek-v3", CHUNKED),
+        ("deepseek-v3", PREEMPT),
+        ("deepseek-v3", ASYNC),
+        ("deepseek-v3", REFERENCE),
     ],
-    ids=["default", "chunked", "preempt", "async", "torch-reference"],
+    ids=[
+        "v2-default",
+        "v2-preempt",
+        "v2-torch-reference",
+        "v3-default",
+        "v3-chunked",
+        "v3-preempt",
+        "v3-async",
+        "v3-torch-reference",
+    ],
 )
-def test_mla_family_greedy_matches_transformers(family, config):
-    name, model_dir, _, reference = family
+def test_mla_family_greedy_matches_transformers(make_tiny_model, name, config):
+    model_dir, _, reference = family_model(make_tiny_model, name)
     tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, **config)
     assert tokens == reference, name
     if "num_gpu_blocks_override" in config:
@@ -92,9 +120,7 @@ def test_mla_prefix_cache_hits_equal_the_cold_run(family):
 
 def test_mla_on_the_triton_backend_matches_transformers(make_tiny_model):
     """The interpreted Triton kernels decode over the latent cache (a short run: the interpreter is slow)."""
-    config_cls, overrides = FAMILIES["deepseek-v3"]
-    model_dir = make_tiny_model(config_cls, **overrides)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model_dir, hf_model, _ = family_model(make_tiny_model, "deepseek-v3")
     prompts = PROMPTS[:2]
     tokens, llm = engine_greedy(model_dir, prompts, 6, attention="triton", max_num_batched_tokens=16)
     assert tokens == hf_greedy(hf_model, prompts, 6)
@@ -103,9 +129,7 @@ def test_mla_on_the_triton_backend_matches_transformers(make_tiny_model):
 
 def test_mla_tensor_parallel_matches_transformers(make_tiny_model):
     """TP=2 splits the heads (q, kv_b and o projections); every rank caches the whole latent."""
-    config_cls, overrides = FAMILIES["deepseek-v3"]
-    model_dir = make_tiny_model(config_cls, **overrides)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model_dir, hf_model, _ = family_model(make_tiny_model, "deepseek-v3")
     prompts = PROMPTS[:3]
     tokens, llm = engine_greedy(model_dir, prompts, MAX_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=16)
     assert tokens == hf_greedy(hf_model, prompts, MAX_TOKENS)

@@ -15,6 +15,13 @@ setup(
             extra_compile_args=FLAGS,
             extra_link_args=["-fopenmp"],
         ),
+        # MLA's decode over the paged latent cache (absorbed form)
+        CppExtension(
+            "engine_attention_cpu._mla",
+            ["engine_attention_cpu/csrc/mla_decode.cpp"],
+            extra_compile_args=FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
         # no fused multiply-add: the layer kernels round where the torch ops they replace round
         CppExtension(
             "engine_attention_cpu._layers",

@@ -130,15 +130,15 @@ class CpuAttentionImpl(TorchAttentionImpl):
 
 
 class CpuMLAImpl(MLACommonImpl):
-    """MLA on the CPU: decode rows through the paged decode kernel in the absorbed form (the latent cache is one KV
-    head of ``kv_lora_rank + rope`` dims shared by every query head, its values the first ``kv_lora_rank`` of each
-    row), read in place; prompt chunks expanded through torch's SDPA."""
+    """MLA on the CPU: decode rows in the absorbed form through ``csrc/mla_decode.cpp`` (every query head of a request
+    over the same latent rows, read in place: two small GEMMs per request, the rows walked once per pass whatever the
+    head count); prompt chunks expanded through torch's SDPA."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from engine_attention_cpu import _C
+        from engine_attention_cpu import _mla
 
-        self._decode = _C.paged_decode_attention
+        self._decode = _mla.mla_decode_attention
 
     def forward(self, query, kv_c_normed, k_pe, kv_cache, attn_metadata: CpuAttentionMetadata):
         num_tokens = attn_metadata.num_actual_tokens
@@ -149,18 +149,14 @@ class CpuMLAImpl(MLACommonImpl):
         if idx is not None:
             rows = query if attn_metadata.all_decode else query[idx]
             q_latent = self.absorbed_queries(rows).contiguous()
-            cache = kv_cache.unsqueeze(2)  # [blocks, block_size, 1, L + rope]
             latent_out = q_latent.new_empty(len(idx), self.num_heads, self.kv_lora_rank)
             self._decode(
                 latent_out,
                 q_latent,
-                cache,
-                cache[..., : self.kv_lora_rank],
+                kv_cache,
                 attn_metadata.decode_block_table,
                 attn_metadata.decode_seq_lens,
                 self.scale,
-                0.0,
-                0,
             )
             if attn_metadata.all_decode:
                 return self.values_from_latents(latent_out)
@@ -183,8 +179,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     @classmethod
     def library_reasons(cls) -> list[str]:
-        if importlib.util.find_spec("engine_attention_cpu._C") is None:
-            return ["its C++ kernel is not built (pip install --no-build-isolation plugins/attention_cpu)"]
+        if any(importlib.util.find_spec(f"engine_attention_cpu.{name}") is None for name in ("_C", "_mla")):
+            return ["its C++ kernels are not built (pip install --no-build-isolation plugins/attention_cpu)"]
         return []
 
     @staticmethod

@@ -49,30 +49,6 @@ inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t bl
   }
 }
 
-// In place: p = softmax(p[0:n]).
-inline void softmax(float* p, int64_t n) {
-  float peak = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, p[i]);
-  float total = 0.f;
-  int64_t i = 0;
-#ifdef ENGINE_AVX2
-  const __m256 shift = _mm256_set1_ps(peak);
-  __m256 sums = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
-    _mm256_storeu_ps(p + i, e);
-    sums = _mm256_add_ps(sums, e);
-  }
-  total = horizontal_sum(sums);
-#endif
-  for (; i < n; ++i) {
-    p[i] = std::exp(p[i] - peak);
-    total += p[i];
-  }
-  const float inv = 1.f / total;
-  for (int64_t j = 0; j < n; ++j) p[j] *= inv;
-}
-
 // scores[g * n + i] = scale * q_g . k_(first + i) for the G query heads q (G rows of head_size floats)
 // that share one KV head: each K row is read once for all of them. Soft-capped when cap > 0.
 template <int G, typename scalar_t>

@@ -1,11 +1,15 @@
 // AVX2 helpers shared by the CPU kernels: float32 lanes from float32 / bfloat16 / float16 memory,
-// a horizontal sum and a vectorised exponential. ENGINE_AVX2 is defined when the compiler targets
+// a horizontal sum, a vectorised exponential and an in-place softmax. ENGINE_AVX2 is defined when the compiler targets
 // AVX2 + FMA + F16C (the kernels are built with -march=native); scalar loops cover other CPUs.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -89,5 +93,29 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 #endif
+
+// In place: p = softmax(p[0:n]).
+inline void softmax(float* p, int64_t n) {
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, p[i]);
+  float total = 0.f;
+  int64_t i = 0;
+#ifdef ENGINE_AVX2
+  const __m256 shift = _mm256_set1_ps(peak);
+  __m256 sums = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
+    _mm256_storeu_ps(p + i, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  total = horizontal_sum(sums);
+#endif
+  for (; i < n; ++i) {
+    p[i] = std::exp(p[i] - peak);
+    total += p[i];
+  }
+  const float inv = 1.f / total;
+  for (int64_t j = 0; j < n; ++j) p[j] *= inv;
+}
 
 }  // namespace engine_cpu
