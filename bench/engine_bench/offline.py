@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -206,7 +207,7 @@ def _in_fresh_process(fn, *args):
 
     spawn = multiprocessing.get_context("spawn")
     receive, send = spawn.Pipe(duplex=False)
-    proc = spawn.Process(target=_run_and_send, args=(send, fn, *args), name="BenchRun")
+    proc = spawn.Process(target=_run_and_send, args=(os.getpid(), send, fn, *args), name="BenchRun")
     start_process(proc)
     send.close()
     try:
@@ -220,9 +221,12 @@ def _in_fresh_process(fn, *args):
     return value
 
 
-def _run_and_send(conn, fn, *args) -> None:
+def _run_and_send(parent_pid: int, conn, fn, *args) -> None:
     import traceback
 
+    from engine.lifetime import watch_parent
+
+    watch_parent(parent_pid, "bench run")  # a killed `engine bench` takes its measurement with it
     try:
         conn.send(("ok", fn(*args)))
     except BaseException:
