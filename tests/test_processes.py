@@ -13,7 +13,7 @@ import pytest
 from engine import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from engine.config import VllmConfig
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, random_prompts, wait_for_async
+from tests.helpers import alive, assert_all_blocks_free, random_prompts, wait_for_async, wait_until
 
 PROMPTS = random_prompts(6, (5, 60), seed=31)
 PARAMS = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=1.0, seed=9, max_tokens=10)] * 3
@@ -261,3 +261,46 @@ def test_100_concurrent_requests_with_a_third_cancelled(tiny_llama):
     assert all(isinstance(r, (asyncio.CancelledError)) or r.finished for r in cancelled)
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running_reqs == 0
     assert wait_gone() == []
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["data_parallel_size=2", "engine_core_process=True", "tensor_parallel_size=2", "pipeline_parallel_size=2"],
+    ids=["dp2", "engine-core-process", "tp2", "pp2"],
+)
+def test_a_script_that_simply_ends_exits_and_leaves_no_process(tiny_llama, tmp_path, config):
+    """Most scripts never call shutdown: they generate, print and end. With data parallelism such a script used to
+    print its results and hang for ever (multiprocessing's exit handler joined the engine cores, which waited for
+    their living parent). It must exit, and every process the engine started must end with it."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "simple_script.py"
+    script.write_text(f"""
+import psutil
+from engine import LLM, SamplingParams
+llm = LLM({tiny_llama!r}, dtype="float32", {config})
+out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print("children", *[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
+print("tokens", out[0].outputs[0].token_ids, flush=True)
+""")
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tokens" in result.stdout
+    line = next(line for line in result.stdout.splitlines() if line.startswith("children"))
+    children = []
+    for pid in line.split()[1:]:
+        try:
+            children.append(psutil.Process(int(pid)))
+        except psutil.NoSuchProcess:
+            pass
+    assert wait_until(lambda: not alive(children), timeout=30), alive(children)

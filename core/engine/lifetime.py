@@ -7,6 +7,7 @@ removes what it shares with the parent (the IPC folder) on its way out.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing.process
 import os
@@ -15,7 +16,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterable, Optional
+import weakref
+from typing import Any, Callable, Iterable, Optional
 
 logger = logging.getLogger(__name__)
 _WATCH_PERIOD_S = 0.2
@@ -108,6 +110,26 @@ def describe_exit(proc) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def shutdown_at_exit(owner: Any) -> Callable[[], None]:
+    """Call ``owner.shutdown()`` when the interpreter exits, unless it was shut down before (pass the returned hook
+    to ``atexit.unregister`` then); the owner is held weakly.
+
+    A script that builds an engine and simply ends relies on this: at exit, ``multiprocessing`` joins every
+    non-daemon child (engine cores are not daemons: they start workers), and an engine core waits for its parent
+    to go, so both would wait forever. ``atexit`` runs its hooks in reverse order of registration, and
+    ``multiprocessing`` registered its own when it was imported, before any engine existed: this hook runs first.
+    """
+    owner_ref = weakref.ref(owner)
+
+    def hook() -> None:
+        target = owner_ref()
+        if target is not None:
+            target.shutdown()
+
+    atexit.register(hook)
+    return hook
 
 
 def stop_processes(procs: Iterable[Optional[multiprocessing.process.BaseProcess]], grace: float) -> None:

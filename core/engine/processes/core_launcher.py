@@ -7,6 +7,7 @@ that does not own them (an API server) notice that one is gone.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -14,7 +15,7 @@ from typing import Optional
 
 from engine.config import VllmConfig
 from engine.data_parallel.coordinator import start_dp_coordinator
-from engine.lifetime import describe_exit, remove_ipc_dir, start_process, stop_processes
+from engine.lifetime import describe_exit, remove_ipc_dir, shutdown_at_exit, start_process, stop_processes
 from engine.messages import EngineZmqAddresses
 from engine.processes.ray_engine_cores import RayEngineCoreManager, make_tcp_addresses
 
@@ -59,6 +60,7 @@ class CoreEngineProcManager:
         size = vllm_config.parallel.data_parallel_size
         self.coordinator = None
         self.procs = []
+        self.exit_hook = shutdown_at_exit(self)  # a script that simply ends stops them too
         try:
             self.coordinator = start_dp_coordinator(size, addresses)
             for rank in range(size):
@@ -98,6 +100,7 @@ class CoreEngineProcManager:
 
     def shutdown(self) -> None:
         """Stop every process still running (SIGTERM, then SIGKILL), and remove the IPC folder."""
+        atexit.unregister(self.exit_hook)
         stop_processes([*self.procs, self.coordinator], grace=5)
         remove_ipc_dir(self.ipc_dir)
 
