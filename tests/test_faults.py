@@ -578,9 +578,14 @@ def test_sigterm_under_load_ends_each_stream_with_an_error_event(pressure_server
 
         results["streams"] = asyncio.run(run())
 
+    def in_flight() -> bool:  # the streams reached the server (a slow machine takes seconds to open 32)
+        m = metrics(pressure_server)
+        return m["engine_num_requests_running"] + m["engine_num_requests_waiting"] >= 16
+
     loader = threading.Thread(target=load)
     loader.start()
-    time.sleep(1.5)
+    assert wait_until(in_flight, 60, 0.1), metrics(pressure_server)
+    time.sleep(0.5)
     start = time.monotonic()
     pressure_server.proc.send_signal(signal.SIGTERM)
     assert pressure_server.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
