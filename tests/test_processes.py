@@ -130,8 +130,6 @@ def test_a_script_without_a_main_guard_runs_tensor_parallel_and_exits_cleanly(ti
     """`LLM(..., tensor_parallel_size=2)` at module level, no `if __name__ == "__main__":` — the spawned
     worker and engine-core processes do not re-run the script, and shutting down leaks nothing."""
     import json
-    import subprocess
-    import sys
 
     script = tmp_path / "user_script.py"
     params = [{"temperature": p.temperature, "seed": p.seed, "max_tokens": p.max_tokens} for p in PARAMS]
@@ -144,15 +142,7 @@ outs = llm.generate([{{"prompt_token_ids": p}} for p in {PROMPTS!r}], [SamplingP
 print(json.dumps([o.outputs[0].token_ids for o in outs]))
 llm.shutdown()
 """)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_script(script, timeout=300)
     lines = result.stdout.strip().splitlines()
     assert lines.count("script body runs") == 1  # not re-run by the engine core or either worker
     tokens = json.loads(lines[-1])
@@ -272,8 +262,6 @@ def test_a_script_that_simply_ends_exits_and_leaves_no_process(tiny_llama, tmp_p
     """Most scripts never call shutdown: they generate, print and end. With data parallelism such a script used to
     print its results and hang for ever (multiprocessing's exit handler joined the engine cores, which waited for
     their living parent). It must exit, and every process the engine started must end with it."""
-    import subprocess
-    import sys
 
     import psutil
 
@@ -286,15 +274,7 @@ out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}], SamplingParams(temper
 print("children", *[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
 print("tokens", out[0].outputs[0].token_ids, flush=True)
 """)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_script(script, timeout=180)
     assert "tokens" in result.stdout
     line = next(line for line in result.stdout.splitlines() if line.startswith("children"))
     children = []
@@ -304,3 +284,20 @@ print("tokens", out[0].outputs[0].token_ids, flush=True)
         except psutil.NoSuchProcess:
             pass
     assert wait_until(lambda: not alive(children), timeout=30), alive(children)
+
+
+def run_script(script, timeout: float):
+    """Run a user script in a fresh interpreter (this test run's import path), from its folder; it must exit 0."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=script.parent,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stderr
+    return result

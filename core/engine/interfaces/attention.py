@@ -139,13 +139,12 @@ class AttentionBackend(Pluggable):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    mla_unsupported_reason: ClassVar[str] = "it has no MLA implementation"
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache; default: K and V stacked, [2, blocks, block_size, heads, dim]."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    mla_unsupported_reason: ClassVar[str] = "it has no MLA implementation"
 
     @staticmethod
     def get_mla_kv_cache_shape(num_blocks: int, block_size: int, head_size: int) -> tuple[int, ...]:

@@ -116,22 +116,7 @@ inline float online_softmax_chunk(float* p, int64_t len, float& m, float& l) {
   float peak = m;
   for (int64_t i = 0; i < len; ++i) peak = std::max(peak, p[i]);
   const float alpha = std::exp(m - peak);  // 0 on the first chunk (m = -inf)
-  float total = 0.f;
-  int64_t i = 0;
-#ifdef ENGINE_AVX2
-  const __m256 shift = _mm256_set1_ps(peak);
-  __m256 sums = _mm256_setzero_ps();
-  for (; i + 8 <= len; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
-    _mm256_storeu_ps(p + i, e);
-    sums = _mm256_add_ps(sums, e);
-  }
-  total = horizontal_sum(sums);
-#endif
-  for (; i < len; ++i) {
-    p[i] = std::exp(p[i] - peak);
-    total += p[i];
-  }
+  const float total = exp_shifted(p, len, peak);
   l = l * alpha + total;
   m = peak;
   return alpha;

@@ -94,10 +94,8 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// In place: p = softmax(p[0:n]).
-inline void softmax(float* p, int64_t n) {
-  float peak = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, p[i]);
+// In place: p[i] = exp(p[i] - peak) for i < n; returns their sum.
+inline float exp_shifted(float* p, int64_t n, float peak) {
   float total = 0.f;
   int64_t i = 0;
 #ifdef ENGINE_AVX2
@@ -114,7 +112,14 @@ inline void softmax(float* p, int64_t n) {
     p[i] = std::exp(p[i] - peak);
     total += p[i];
   }
-  const float inv = 1.f / total;
+  return total;
+}
+
+// In place: p = softmax(p[0:n]).
+inline void softmax(float* p, int64_t n) {
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, p[i]);
+  const float inv = 1.f / exp_shifted(p, n, peak);
   for (int64_t j = 0; j < n; ++j) p[j] *= inv;
 }
 
