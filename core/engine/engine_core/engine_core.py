@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     """Choose every single-choice plugin before any weight is loaded; ConfigError if one cannot run."""
     plugins = get_plugin_manager()
-    ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=len(set(model_info.layer_sliding_windows)))
+    num_groups = len(set(model_info.layer_sliding_windows)) + int(model_info.is_hybrid)  # Mamba layers: a group
+    ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=num_groups)
     requested = {
         kind.name: vllm_config.get_key(kind.config_key)
         for kind in KINDS.values()
@@ -64,6 +65,32 @@ def check_pipeline_parallel(vllm_config: VllmConfig, model_info: ModelInfo) -> N
         )
 
 
+def check_hybrid_model(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
+    """A model with Mamba layers: prefix caching is turned off (said once, at start-up), and what the Mamba layers
+    cannot do yet is refused with a ConfigError."""
+    if not model_info.is_hybrid:
+        return
+    if vllm_config.cache.enable_prefix_caching:
+        logger.warning(
+            "prefix caching is off for %s: its Mamba layers keep one running state per request, not one per "
+            "block, so a cached prefix could not resume without recomputing it (cache.enable_prefix_caching=false)",
+            model_info.architecture,
+        )
+        vllm_config.cache.enable_prefix_caching = False
+    tp = vllm_config.parallel.tensor_parallel_size
+    if tp > 1:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size={tp}: the Mamba layers of {model_info.architecture} are not sharded over "
+            "tensor-parallel ranks yet; use parallel.tensor_parallel_size=1 (pipeline and data parallelism work)"
+        )
+    method = vllm_config.speculative.method
+    if method != "none":
+        raise ConfigError(
+            f"speculative.method={method!r}: {model_info.architecture} has Mamba layers, whose running state cannot "
+            "roll back rejected drafts; use speculative.method='none'"
+        )
+
+
 class EngineCore:
     """Owns the scheduler and the executor; one ``step`` is one forward pass of the batch.
 
@@ -77,6 +104,7 @@ class EngineCore:
         start = time.perf_counter()
         self.vllm_config = vllm_config
         self.model_info = model_info or resolve_model(vllm_config.model)
+        check_hybrid_model(vllm_config, self.model_info)
         self.plugins = select_plugins(vllm_config, self.model_info)
         check_pipeline_parallel(vllm_config, self.model_info)
         choices = {kind: impl.name for kind, impl in self.plugins.items()}

@@ -1,5 +1,5 @@
 """LayerKernels interface: the kernels of the model layers (norms, activations, RoPE, linear products, the
-fused mixture-of-experts operation).
+fused mixture-of-experts operation, Mamba's convolution and selective scan).
 
 The layers call these instead of torch ops so that a device plugin can fuse them: one pass over
 each row instead of one per torch op, or a matrix product on weights packed once at load.
@@ -10,7 +10,7 @@ implementation may return new tensors or write in place where the method says it
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -138,6 +138,68 @@ class LayerKernels(Pluggable):
         from engine.model.layers.moe_reference import fused_experts
 
         return fused_experts(x, experts.w13_weight, experts.w2_weight, topk_weights, topk_ids, experts.expert_map)
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        conv_state: torch.Tensor,
+        query_start_loc: Sequence[int],
+        activation: Optional[str] = "silu",
+    ) -> torch.Tensor:
+        """Mamba's causal depthwise convolution over requests laid end to end: x ``[T, C]``, weight ``[C, K]``,
+        ``conv_state [R, C, K - 1]`` each request's last K - 1 inputs before its tokens (zeros for a request that
+        starts), overwritten with its last K - 1 inputs after them. Returns ``[T, C]`` in x's dtype. The default
+        is the torch reference."""
+        from engine.model.layers.mamba_reference import causal_conv1d
+
+        return causal_conv1d(x, weight, bias, conv_state, query_start_loc, activation)
+
+    def mamba2_scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor,
+        dt_bias: torch.Tensor,
+        dt_limit: tuple[float, float],
+        ssm_state: torch.Tensor,
+        query_start_loc: Sequence[int],
+        chunk_size: int,
+    ) -> torch.Tensor:
+        """Mamba2's selective scan over requests laid end to end: x ``[T, H, P]``, dt ``[T, H]`` (before
+        ``softplus(dt + dt_bias)`` clamped to ``dt_limit``), A, D, dt_bias ``[H]``, B and C ``[T, G, N]``,
+        ``ssm_state [R, H, P, N]`` each request's state (zeros for one that starts), overwritten with the state after
+        its last token. Returns y ``[T, H, P]`` in float32 (``D * x`` included). A request of one token is the
+        single-step update (decode), a longer one the chunked scan of ``chunk_size`` (prefill). The default is the
+        torch reference."""
+        from engine.model.layers.mamba_reference import mamba2_scan
+
+        return mamba2_scan(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, query_start_loc, chunk_size)
+
+    def selective_scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor,
+        z: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        query_start_loc: Sequence[int],
+    ) -> torch.Tensor:
+        """Mamba1's selective scan (Jamba) over requests laid end to end: x, z and dt ``[T, D]`` (dt before
+        ``softplus(dt + dt_bias)``), A ``[D, N]``, B and C ``[T, N]``, ``ssm_state [R, D, N]`` (zeros for a request that
+        starts; overwritten with the state after its last token). Returns ``(h C + D x) * silu(z)`` ``[T, D]`` in
+        float32. The default is the torch reference."""
+        from engine.model.layers.mamba_reference import selective_scan
+
+        return selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc)
 
     def capture_decode_step(self, model: torch.nn.Module, attention_layers: dict[str, Any]) -> CapturedDecodeStep:
         """The model's decode step captured for replay (after its KV caches are allocated, once per allocation),

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from engine.kv_cache.spec import KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 
 class SingleTypeKVCacheManager:
@@ -17,7 +17,7 @@ class SingleTypeKVCacheManager:
     (a block shared by two requests counts twice), so tests and metrics can see each group's footprint.
     """
 
-    def __init__(self, spec: FullAttentionSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0):
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0):
         self.spec = spec
         self.block_size = spec.block_size
         self.block_pool = block_pool
@@ -144,10 +144,42 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return hits[:run]
 
 
+class MambaManager(SingleTypeKVCacheManager):
+    """A Mamba group: one block per request holds each layer's running state, from the first step to the end.
+
+    The state after a prefix is not kept per block, so a Mamba group has no prefix hits and caches nothing (the
+    engine turns prefix caching off for such models and says so at start-up).
+    """
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+        assert not new_computed_blocks, "a Mamba group has no prefix hits"
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        if self.req_to_blocks[request_id]:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(1)
+        self.req_to_blocks[request_id].extend(new_blocks)
+        self._held(1)
+        return new_blocks
+
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """A running state is never a cached prefix."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        return []
+
+
 def manager_for_spec(
-    spec: FullAttentionSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0
+    spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0
 ) -> SingleTypeKVCacheManager:
     """The manager class that matches a spec's attention type."""
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, block_pool, enable_caching, group_id)
+    if isinstance(spec, MambaSpec):
+        return MambaManager(spec, block_pool, enable_caching, group_id)
     return SingleTypeKVCacheManager(spec, block_pool, enable_caching, group_id)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -14,10 +15,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """A layer that attends to every earlier token."""
+class KVCacheSpec:
+    """What one layer keeps per request in the paged cache: pages of ``page_size_bytes`` each."""
 
     block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def max_blocks_per_request(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """A layer that attends to every earlier token."""
+
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
@@ -28,9 +42,6 @@ class FullAttentionSpec:
         return (
             2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
         )
-
-    def max_blocks_per_request(self, max_model_len: int) -> int:
-        return -(-max_model_len // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -51,11 +62,34 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A state-space (Mamba) layer: a constant-size state per request (the convolution's last inputs and the SSM
+    state), held in one block whatever the context length. ``shapes`` are the state tensors' shapes, all of
+    ``dtype``; ``page_size_padded`` raises the page to the attention layers' so both kinds share cache tensors."""
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtype: torch.dtype = torch.float32
+    page_size_padded: int = 0
+
+    @property
+    def state_size_bytes(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) for shape in self.shapes) * element
+
+    @property
+    def page_size_bytes(self) -> int:
+        return max(self.state_size_bytes, self.page_size_padded)
+
+    def max_blocks_per_request(self, max_model_len: int) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers that share one block table."""
 
     layer_names: tuple[str, ...]
-    spec: FullAttentionSpec
+    spec: KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -83,14 +117,49 @@ class KVCacheConfig:
         return self.tensors or tuple((name,) for group in self.groups for name in group.layer_names)
 
 
-def group_layers(specs: dict[str, FullAttentionSpec]) -> tuple[KVCacheGroupSpec, ...]:
+def unify_page_sizes(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Hybrid models (vLLM's page-size unification): raise the attention layers' block size by a whole factor until
+    one attention page holds a Mamba state, then pad the Mamba pages to the attention page, so that every layer's
+    page is one size and the layers of different kinds share cache tensors. Other models are returned as given."""
+    mamba = [spec for spec in specs.values() if isinstance(spec, MambaSpec)]
+    attention = [spec for spec in specs.values() if not isinstance(spec, MambaSpec)]
+    if not mamba:
+        return specs
+    state_bytes = max(spec.state_size_bytes for spec in mamba)
+    if not attention:
+        return {
+            name: replace(spec, page_size_padded=state_bytes)
+            for name, spec in specs.items()
+            if isinstance(spec, MambaSpec)
+        }
+    old_block = max(spec.block_size for spec in attention)
+    factor = -(-state_bytes // min(spec.page_size_bytes for spec in attention))
+    resized = {name: replace(spec, block_size=spec.block_size * factor) for name, spec in specs.items()}
+    page = max(spec.page_size_bytes for spec in resized.values() if not isinstance(spec, MambaSpec))
+    unified = {
+        name: replace(spec, page_size_padded=page) if isinstance(spec, MambaSpec) else spec
+        for name, spec in resized.items()
+    }
+    if factor > 1:
+        logger.info(
+            "hybrid model: attention block size raised from %d to %d tokens so that one page (%d bytes) holds a "
+            "Mamba layer's state (%d bytes)",
+            old_block,
+            old_block * factor,
+            page,
+            state_bytes,
+        )
+    return unified
+
+
+def group_layers(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec, ...]:
     """Group layers by spec, then split each kind into groups of equal size (vLLM's hybrid layout).
 
     With one kind every layer is one group. With several kinds of equal page size, each kind is cut into
     groups of as many layers as the rarest kind has, so that groups can share cache tensors layer for
     layer (e.g. Gemma 3, 5 sliding : 1 full, gives groups of the full-layer count).
     """
-    by_spec: dict[FullAttentionSpec, list[str]] = {}
+    by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in specs.items():
         by_spec.setdefault(spec, []).append(name)
     if len(by_spec) == 1 or len({spec.page_size_bytes for spec in by_spec}) > 1:
@@ -112,7 +181,7 @@ def plan_shared_tensors(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[tuple[str
 
 
 def make_kv_cache_config(
-    specs: dict[str, FullAttentionSpec],
+    specs: dict[str, KVCacheSpec],
     memory_bytes: int,
     num_blocks_override: Optional[int],
     max_model_len: int,
@@ -121,6 +190,7 @@ def make_kv_cache_config(
     """Size the pool: a block id costs one page in every cache tensor. With pipeline parallelism
     (``stage_layers``: the layer names each stage holds), each worker holds only its stage's tensors and
     ``memory_bytes`` is each worker's budget: the stage with the most bytes per block sets the count."""
+    specs = unify_page_sizes(specs)
     groups = group_layers(specs)
     tensors = plan_shared_tensors(groups)
     stages = stage_layers or [set(specs)]

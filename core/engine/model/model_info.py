@@ -70,6 +70,12 @@ class ModelInfo:
         return getattr(self.hf_config, "kv_lora_rank", None) is not None
 
     @property
+    def is_hybrid(self) -> bool:
+        """State-space (Mamba) layers next to attention (Bamba, Granite 4.0-H, Jamba): each keeps a running state
+        per request instead of a KV entry per token."""
+        return getattr(self.hf_config, "mamba_d_state", None) is not None
+
+    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 

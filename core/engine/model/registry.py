@@ -70,6 +70,9 @@ _BUILTIN = {
     "Qwen3MoeForCausalLM": "engine.model.qwen_moe:Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "engine.model.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "engine.model.deepseek_v2:DeepseekV3ForCausalLM",
+    "BambaForCausalLM": "engine.model.bamba:BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM": "engine.model.granite_moe_hybrid:GraniteMoeHybridForCausalLM",
+    "JambaForCausalLM": "engine.model.jamba:JambaForCausalLM",
 }
 
 

@@ -20,8 +20,16 @@ from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUns
 from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.interfaces.sampler import SamplingMetadata
-from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec, SlidingWindowSpec
+from engine.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from engine.model.layers.attention import Attention, MLAAttention
+from engine.model.layers.mamba_state import MambaLayer, MambaMetadataBuilder, MambaStateCache
 from engine.model.layers.moe import expert_load
 from engine.model.loader import load_model
 from engine.model.model_info import ModelInfo
@@ -80,6 +88,7 @@ class ModelRunner:
         self.input_batch: Optional[InputBatch] = None  # made with the KV caches (it needs their block sizes)
         self.model: Optional[torch.nn.Module] = None
         self.attention_layers: dict[str, Attention | MLAAttention] = {}
+        self.mamba_layers: dict[str, MambaLayer] = {}
         self.builders: list[Any] = []
         self.decode_step: Optional[CapturedDecodeStep] = None  # the captured decode step, unless enforce_eager
         self.num_captured_steps = 0  # steps the capture ran (the rest ran eagerly)
@@ -107,6 +116,8 @@ class ModelRunner:
             if isinstance(module, (Attention, MLAAttention)):
                 module.bind(self.attention_backend, options)
                 self.attention_layers[module.layer_name] = module
+            elif isinstance(module, MambaLayer):
+                self.mamba_layers[module.layer_name] = module
         if self.proposer is not None:
             self.proposer.load(self)
 
@@ -114,8 +125,8 @@ class ModelRunner:
         """MoE models: tokens routed to each expert since start, per MoE layer of this rank (empty when dense)."""
         return expert_load(self.loaded_model)
 
-    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
-        specs: dict[str, FullAttentionSpec] = {}
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        specs: dict[str, KVCacheSpec] = {}
         for name, layer in self.attention_layers.items():
             shape = (self.block_size, layer.num_kv_heads, layer.head_size, self.model_info.dtype)
             if isinstance(layer, MLAAttention):
@@ -124,6 +135,8 @@ class ModelRunner:
                 specs[name] = SlidingWindowSpec(*shape, sliding_window=layer.sliding_window)
             else:
                 specs[name] = FullAttentionSpec(*shape)
+        for name, mamba in self.mamba_layers.items():
+            specs[name] = MambaSpec(self.block_size, mamba.state_shapes(), mamba.state_dtype)
         return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -131,28 +144,29 @@ class ModelRunner:
         and make one metadata builder per group."""
         self.builders = []
         own_specs = self.get_kv_cache_spec()  # this rank's heads (ranks may hold different KV-head counts)
+        group_specs = {name: group.spec for group in kv_cache_config.groups for name in group.layer_names}
+        num_blocks = kv_cache_config.num_blocks
         for shared in kv_cache_config.shared_tensors():
             names = [name for name in shared if name in own_specs]  # a pipeline stage holds its layers' caches only
             if not names:
                 continue
-            own = own_specs[names[0]]
-            if isinstance(own, MLAAttentionSpec):
-                shape = self.attention_backend.get_mla_kv_cache_shape(
-                    kv_cache_config.num_blocks, own.block_size, own.head_size
-                )
-            else:
-                shape = self.attention_backend.get_kv_cache_shape(
-                    kv_cache_config.num_blocks, own.block_size, own.num_kv_heads, own.head_size
-                )
-            tensor = torch.zeros(shape, dtype=own.dtype, device=self.device)
+            tensor = self._allocate_cache_tensor(names, own_specs, group_specs, num_blocks)
             for name in names:
-                self.attention_layers[name].kv_cache = tensor
+                if name in self.mamba_layers:
+                    spec = cast(MambaSpec, own_specs[name])
+                    self.mamba_layers[name].state = MambaStateCache(tensor, num_blocks, spec.shapes, spec.dtype)
+                else:
+                    self.attention_layers[name].kv_cache = tensor
         for group_id, group in enumerate(kv_cache_config.groups):
             for name in group.layer_names:
-                if name in self.attention_layers:
-                    self.attention_layers[name].kv_cache_group = group_id
+                layer: Any = self.attention_layers.get(name) or self.mamba_layers.get(name)
+                if layer is not None:
+                    layer.kv_cache_group = group_id
+            builder_cls = (
+                MambaMetadataBuilder if isinstance(group.spec, MambaSpec) else self.attention_backend.get_builder_cls()
+            )
             self.builders.append(
-                self.attention_backend.get_builder_cls()(
+                builder_cls(
                     self.vllm_config.attention.options,
                     self.device,
                     group.spec.block_size,
@@ -166,6 +180,29 @@ class ModelRunner:
             len(self.logits_processors),
         )
         self.decode_step = self._capture_decode_step()
+
+    def _allocate_cache_tensor(
+        self,
+        names: list[str],
+        own_specs: dict[str, KVCacheSpec],
+        group_specs: dict[str, KVCacheSpec],
+        num_blocks: int,
+    ) -> torch.Tensor:
+        """One cache tensor for layers that share it, in the attention backend's layout of its first attention
+        layer (at the group's block size, which a hybrid model raises); Mamba layers view their pages in it. A
+        tensor of Mamba layers only is plain pages."""
+        attention = [name for name in names if name in self.attention_layers]
+        if not attention:
+            spec = cast(MambaSpec, group_specs[names[0]])
+            elements = -(-spec.page_size_bytes // spec.dtype.itemsize)
+            return torch.zeros((num_blocks, elements), dtype=spec.dtype, device=self.device)
+        own = cast(FullAttentionSpec, own_specs[attention[0]])
+        block_size = group_specs[attention[0]].block_size
+        if isinstance(own, MLAAttentionSpec):
+            shape = self.attention_backend.get_mla_kv_cache_shape(num_blocks, block_size, own.head_size)
+        else:
+            shape = self.attention_backend.get_kv_cache_shape(num_blocks, block_size, own.num_kv_heads, own.head_size)
+        return torch.zeros(shape, dtype=own.dtype, device=self.device)
 
     def _capture_decode_step(self) -> Optional[CapturedDecodeStep]:
         """The layer kernels' capture of the pure-decode step over the caches just allocated (None: eager)."""

@@ -12,7 +12,7 @@ from engine.config import VllmConfig
 from engine.devices import resolve_device
 from engine.distributed.parallel_state import destroy_model_parallel, init_model_parallel
 from engine.interfaces.base import SelectionContext
-from engine.kv_cache.spec import FullAttentionSpec, KVCacheConfig
+from engine.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from engine.model.model_info import resolve_model
 from engine.plugins import get_plugin_manager
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -103,7 +103,7 @@ class Worker:
     def expert_load(self) -> dict[int, list[int]]:
         return self.runner.expert_load()
 
-    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.runner.get_kv_cache_spec()
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:

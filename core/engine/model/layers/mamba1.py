@@ -1,0 +1,80 @@
+"""The Mamba1 mixer (Jamba): input projection into x and its gate, causal convolution, the input-dependent time
+step, B and C (each RMS-normed, as Jamba does), the selective scan with the state carried per request in the paged
+cache, and the output projection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.layers.kernels import current_layer_kernels
+from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.model.layers.mamba_state import ConvWeights, MambaLayer
+from engine.model.layers.norm import RMSNorm
+
+
+class MambaMixer(MambaLayer):
+    """One Mamba1 layer over the step's tokens (requests end to end, each with its state in its state block)."""
+
+    def __init__(
+        self,
+        layer_name: str,
+        hidden_size: int,
+        intermediate_size: int,
+        state_size: int,
+        conv_kernel: int,
+        time_step_rank: int,
+        eps: float,
+        dtype: torch.dtype,
+        use_conv_bias: bool = True,
+        use_bias: bool = False,
+    ):
+        super().__init__()
+        self.layer_name = layer_name
+        self.state_dtype = dtype
+        self.intermediate_size, self.state_size = intermediate_size, state_size
+        self.conv_kernel, self.time_step_rank = conv_kernel, time_step_rank
+        self.in_proj = ColumnParallelLinear(hidden_size, [2 * intermediate_size], bias=use_bias)
+        self.conv1d = ConvWeights(intermediate_size, conv_kernel, use_conv_bias)
+        self.x_proj = ColumnParallelLinear(intermediate_size, [time_step_rank + 2 * state_size])
+        self.dt_proj = ColumnParallelLinear(time_step_rank, [intermediate_size], bias=True)
+        self.dt_layernorm = RMSNorm(time_step_rank, eps)
+        self.b_layernorm = RMSNorm(state_size, eps)
+        self.c_layernorm = RMSNorm(state_size, eps)
+        self.A_log = nn.Parameter(torch.empty(intermediate_size, state_size), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(intermediate_size), requires_grad=False)
+        self.out_proj = RowParallelLinear(intermediate_size, hidden_size, bias=use_bias)
+        self.kernels = current_layer_kernels()
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """(conv state ``[intermediate, K - 1]``, SSM state ``[intermediate, state_size]``)."""
+        return (self.intermediate_size, self.conv_kernel - 1), (self.intermediate_size, self.state_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        metadata = self.metadata()
+        state = self.bound_state()
+        conv_state, ssm_state = state.read(metadata.state_blocks, metadata.starts)
+        x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)
+        kernels: Any = self.kernels
+        x = kernels.causal_conv1d(
+            x.contiguous(), self.conv1d.kernel, self.conv1d.bias, conv_state, metadata.query_start_loc
+        )
+        time_step, B, C = self.x_proj(x).split([self.time_step_rank, self.state_size, self.state_size], dim=-1)
+        dt = F.linear(self.dt_layernorm(time_step.contiguous()), self.dt_proj.weight)  # its bias goes in the scan
+        y = kernels.selective_scan(
+            x,
+            dt,
+            -torch.exp(self.A_log.float()),
+            self.b_layernorm(B.contiguous()),
+            self.c_layernorm(C.contiguous()),
+            self.D,
+            gate,
+            self.dt_proj.bias,
+            ssm_state,
+            metadata.query_start_loc,
+        )
+        state.write(metadata.state_blocks, [conv_state, ssm_state])
+        return self.out_proj(y.to(hidden_states.dtype))

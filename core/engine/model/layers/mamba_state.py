@@ -1,0 +1,118 @@
+"""A Mamba layer's per-request state in the paged cache: the step's metadata (which block holds each request's
+state, and whether the request starts), the view of a cache tensor as state pages, and the base class the model
+runner binds them to."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.forward_context import get_forward_context
+from engine.interfaces.attention import AttentionMetadataBuilder, CommonAttentionMetadata
+
+
+@dataclass
+class MambaMetadata:
+    """One step of a Mamba group: request ``i`` runs tokens ``query_start_loc[i]:query_start_loc[i + 1]`` with its
+    state in block ``state_blocks[i]``; ``starts[i]`` says the request starts from position 0 (its state, left by
+    whichever request held the block before, is reset)."""
+
+    query_start_loc: np.ndarray  # [R + 1]
+    state_blocks: torch.Tensor  # [R] int64
+    starts: torch.Tensor  # [R] bool
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_start_loc) - 1
+
+
+class MambaMetadataBuilder(AttentionMetadataBuilder):
+    """Builds :class:`MambaMetadata` from the common metadata (a Mamba group's block table has one column)."""
+
+    def build(self, common: CommonAttentionMetadata) -> MambaMetadata:
+        return MambaMetadata(
+            common.query_start_loc_np,
+            common.block_table[:, 0].to(torch.int64),
+            torch.from_numpy(common.num_computed_tokens_np == 0),
+        )
+
+
+class MambaStateCache:
+    """A Mamba layer's states as pages of a cache tensor it may share with attention layers (each block id's
+    bytes in that tensor belong to one layer at a time). The block dimension may be the first or the second (K/V
+    stacked first), so a page is read as ``[outer, block, inner]`` and a state is its ``outer * inner`` elements,
+    of which the first are the conv state ``[C, K - 1]`` and then the SSM state."""
+
+    def __init__(self, tensor: torch.Tensor, num_blocks: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
+        if tensor.dtype != dtype:
+            tensor = tensor.view(torch.uint8).view(dtype)
+        block_dim = next((d for d in range(min(2, tensor.dim())) if tensor.shape[d] == num_blocks), None)
+        if block_dim is None or not tensor.is_contiguous():
+            raise ValueError(f"a cache tensor of shape {tuple(tensor.shape)} has no block dimension of {num_blocks}")
+        outer = math.prod(tensor.shape[:block_dim])
+        self.pages = tensor.view(outer, num_blocks, -1)
+        self.shapes = shapes
+        self.sizes = [math.prod(shape) for shape in shapes]
+        if sum(self.sizes) > outer * self.pages.shape[2]:
+            raise ValueError(f"a Mamba state of {sum(self.sizes)} elements does not fit in a page of {tensor.shape}")
+
+    def read(self, blocks: torch.Tensor, starts: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """The states of the given blocks as new tensors ``[R, *shape]`` (zeros where ``starts``)."""
+        flat = self.pages[:, blocks].transpose(0, 1).reshape(len(blocks), -1)[:, : sum(self.sizes)]
+        if starts is not None and bool(starts.any()):
+            flat = flat.masked_fill(starts[:, None], 0)
+        states = flat.split(self.sizes, dim=1)
+        return [state.reshape(len(blocks), *shape).clone() for state, shape in zip(states, self.shapes)]
+
+    def write(self, blocks: torch.Tensor, states: list[Any]) -> None:
+        """Store the states of the given blocks."""
+        outer, _, inner = self.pages.shape
+        flat = torch.zeros(len(blocks), outer * inner, dtype=self.pages.dtype, device=self.pages.device)
+        at = 0
+        for state, size in zip(states, self.sizes):
+            flat[:, at : at + size] = state.reshape(len(blocks), size)
+            at += size
+        self.pages[:, blocks] = flat.view(len(blocks), outer, inner).transpose(0, 1)
+
+
+class MambaLayer(nn.Module):
+    """What the model runner sees of a state-space layer: its name, the shapes and dtype of its per-request state,
+    and the cache view and KV-cache group it binds to."""
+
+    layer_name: str
+    state_dtype: torch.dtype
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: Optional[MambaStateCache] = None
+        self.kv_cache_group = 0
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        raise NotImplementedError
+
+    def metadata(self) -> MambaMetadata:
+        return get_forward_context().attn_metadata[self.kv_cache_group]
+
+    def bound_state(self) -> MambaStateCache:
+        if self.state is None:
+            raise RuntimeError(f"{self.layer_name} runs before the model runner bound its state cache")
+        return self.state
+
+
+class ConvWeights(nn.Module):
+    """A depthwise causal convolution's parameters as checkpoints name them: ``weight [C, 1, K]``, ``bias [C]``."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias: Optional[nn.Parameter] = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+    @property
+    def kernel(self) -> torch.Tensor:
+        """``[C, K]``."""
+        return self.weight[:, 0]

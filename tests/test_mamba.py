@@ -1,0 +1,299 @@
+"""Mamba hybrids against transformers on tiny random models: greedy parity with chunked prefill, preemption and
+async scheduling; the Mamba state's place in the KV cache (one block per request, pages shared with attention);
+prefix caching turned off with a start-up line; the kernels' torch reference against the plain recurrence."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
+from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
+from engine.model.layers import mamba_reference
+from engine.testing import inspect
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts
+
+MAX_TOKENS = 12
+PROMPTS = random_prompts(4, (6, 44), seed=31)
+BAMBA = dict(
+    num_hidden_layers=4,
+    attn_layer_indices=[1],
+    mamba_n_heads=4,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,  # prompts span several scan chunks
+    mamba_expand=1,
+)
+GRANITE = dict(
+    {key: value for key, value in BAMBA.items() if key != "attn_layer_indices"},
+    layer_types=["mamba", "attention", "mamba", "mamba"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_intermediate_size=96,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.3,
+    logits_scaling=2.0,
+)
+FAMILIES = {
+    "bamba": ("BambaConfig", BAMBA),
+    # Granite 4.0-H: MoE and a shared MLP after every mixer, Granite's multipliers, no positional embedding
+    "granite-4.0-h": ("GraniteMoeHybridConfig", dict(GRANITE, position_embedding_type="nope")),
+    "granite-rope": ("GraniteMoeHybridConfig", dict(GRANITE, position_embedding_type="rope", num_local_experts=0)),
+    # Mamba1 (per-channel decays, normed dt / B / C) with attention at layer 1 and MoE on odd layers
+    "jamba": (
+        "JambaConfig",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_period=4,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_expand=1,
+            mamba_dt_rank=8,
+        ),
+    ),
+}
+
+_REFERENCES: dict = {}
+
+
+def family_model(make_tiny_model, name: str):
+    """(model folder, transformers model, transformers' greedy tokens of PROMPTS), made once per family."""
+    if name not in _REFERENCES:
+        config_cls, overrides = FAMILIES[name]
+        model_dir = make_tiny_model(config_cls, **overrides)
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _REFERENCES[name] = (model_dir, hf_model, hf_greedy(hf_model, PROMPTS, MAX_TOKENS))
+    return _REFERENCES[name]
+
+
+# a Mamba state (3200 bytes) is more than an 8-token attention page (2048): the block size is raised to 16
+CHUNKED = {"max_num_batched_tokens": 12, "block_size": 8}  # prompts in chunks: the state carries across them
+PREEMPT = {"num_gpu_blocks_override": 10, "block_size": 8, "max_model_len": 96}  # restarts from a reset state
+ASYNC = {"async_scheduling": True, "max_num_batched_tokens": 24}
+REFERENCE = {"attention": "torch", "layer_kernels": "native"}
+
+
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("bamba", {}),
+        ("bamba", CHUNKED),
+        ("bamba", PREEMPT),
+        ("bamba", ASYNC),
+        ("bamba", REFERENCE),
+        ("granite-4.0-h", {}),
+        ("granite-4.0-h", CHUNKED),
+        ("granite-4.0-h", PREEMPT),
+        ("granite-rope", {}),
+        ("jamba", {}),
+        ("jamba", CHUNKED),
+        ("jamba", PREEMPT),
+        ("jamba", ASYNC),
+    ],
+    ids=[
+        "bamba-default",
+        "bamba-chunked",
+        "bamba-preempt",
+        "bamba-async",
+        "bamba-torch-reference",
+        "granite-default",
+        "granite-chunked",
+        "granite-preempt",
+        "granite-rope-dense",
+        "jamba-default",
+        "jamba-chunked",
+        "jamba-preempt",
+        "jamba-async",
+    ],
+)
+def test_hybrid_family_greedy_matches_transformers(make_tiny_model, name, config):
+    model_dir, _, reference = family_model(make_tiny_model, name)
+    tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, **config)
+    assert tokens == reference, name
+    if "num_gpu_blocks_override" in config:
+        assert llm.get_stats().num_preemptions > 0
+    llm.shutdown()
+
+
+def test_a_mamba_layer_holds_one_block_per_request_whatever_its_length(make_tiny_model):
+    """Three Mamba layers and one attention layer: four KV-cache groups of one layer over one shared tensor. The
+    attention block size is raised so that a page holds a Mamba state; while requests run, each Mamba group holds
+    one block per request and the attention group one per block_size tokens; every block returns at the end."""
+    model_dir, _, reference = family_model(make_tiny_model, "bamba")
+    llm = LLM(model_dir, dtype="float32", block_size=8)
+    config = inspect(llm).engine_core.kv_cache_config
+    kinds = [type(group.spec) for group in config.groups]
+    assert kinds.count(MambaSpec) == 3 and kinds.count(FullAttentionSpec) == 1
+    mamba = next(group.spec for group in config.groups if isinstance(group.spec, MambaSpec))
+    attention = next(group.spec for group in config.groups if isinstance(group.spec, FullAttentionSpec))
+    # conv state [conv_dim = 64 + 2 * 2 * 8, K - 1 = 3] and SSM state [4 heads, 16, 8], float32: 3200 bytes
+    assert mamba.state_size_bytes == (96 * 3 + 4 * 16 * 8) * 4
+    # an 8-token attention page (K and V of 2 heads of 16, float32) is 2048 bytes: raised to 16 tokens, 4096
+    assert attention.block_size == 16 and attention.page_size_bytes == 4096
+    assert mamba.page_size_bytes == 4096 and len(config.shared_tensors()) == 1
+
+    runner = inspect(llm).model_runner
+    step_usage = []
+    original = runner.execute_model
+
+    def spy(scheduler_output):
+        step_usage.append(inspect(llm).kv_cache_manager.group_block_usage())
+        return original(scheduler_output)
+
+    runner.execute_model = spy
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    peaks = [max(usage[g][0] for usage in step_usage) for g in range(len(config.groups))]
+    for group, peak in zip(config.groups, peaks):
+        if isinstance(group.spec, MambaSpec):
+            assert peak == len(PROMPTS)
+        else:
+            longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
+            assert len(PROMPTS) <= peak <= len(PROMPTS) * -(-longest // group.spec.block_size)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_prefix_caching_is_turned_off_with_a_start_up_line(make_tiny_model, caplog):
+    model_dir, _, reference = family_model(make_tiny_model, "bamba")
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=True)
+    assert any("prefix caching is off for BambaForCausalLM" in r.getMessage() for r in caplog.records)
+    assert inspect(llm).plugins["kv_cache_coordinator"].name == "no_prefix"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for _ in range(2):  # the same prompts twice: recomputed, same tokens
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert llm.get_stats().prefix_cache_hits == 0
+    llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"speculative_config": {"method": "ngram"}}, "speculative.method='ngram'"),
+    ],
+)
+def test_what_mamba_layers_cannot_do_yet_is_refused_by_name(make_tiny_model, config, match):
+    model_dir, _, _ = family_model(make_tiny_model, "bamba")
+    with pytest.raises(ConfigError, match=match):
+        LLM(model_dir, dtype="float32", **config)
+
+
+# ---- the kernels' torch reference ------------------------------------------------------------------------------
+
+
+def plain_recurrence(x, dt, A, B, C, D, dt_bias, state):
+    """Mamba2 one token at a time, in float64: h = exp(dt A) h + dt x B^T, y = h C + D x."""
+    heads, groups = x.shape[1], B.shape[1]
+    step = torch.nn.functional.softplus(dt.double() + dt_bias.double())
+    b = B.double().repeat_interleave(heads // groups, dim=1)
+    c = C.double().repeat_interleave(heads // groups, dim=1)
+    h = state.double().clone()
+    ys = []
+    for t in range(x.shape[0]):
+        h = (
+            h * torch.exp(step[t] * A.double())[:, None, None]
+            + (step[t][:, None] * x[t].double())[..., None] * b[t][:, None, :]
+        )
+        ys.append(torch.einsum("hpn,hn->hp", h, c[t]) + D.double()[:, None] * x[t].double())
+    return torch.stack(ys), h
+
+
+def scan_case(lengths, heads=4, head_dim=8, groups=2, state=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    x = torch.randn(total, heads, head_dim, generator=gen)
+    dt = torch.randn(total, heads, generator=gen)
+    B = torch.randn(total, groups, state, generator=gen)
+    C = torch.randn(total, groups, state, generator=gen)
+    A = -torch.rand(heads, generator=gen) * 2
+    D = torch.randn(heads, generator=gen)
+    dt_bias = torch.randn(heads, generator=gen) * 0.5
+    states = torch.randn(len(lengths), heads, head_dim, state, generator=gen)
+    return x, dt, A, B, C, D, dt_bias, states
+
+
+@pytest.mark.parametrize("chunk_size", [4, 7, 64])
+def test_the_chunked_scan_equals_the_plain_recurrence(chunk_size):
+    """Requests of 1 (the single-step update), 5, 13 and 20 tokens, each from its own state, in one call."""
+    lengths = [5, 1, 13, 20, 1]
+    x, dt, A, B, C, D, dt_bias, states = scan_case(lengths)
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    expected = [
+        plain_recurrence(*(t[s:e] for t in (x, dt)), A, *(t[s:e] for t in (B, C)), D, dt_bias, states[i])
+        for i, (s, e) in enumerate(zip(starts[:-1], starts[1:]))
+    ]
+    ssm_state = states.clone()
+    y = mamba_reference.mamba2_scan(x, dt, A, B, C, D, dt_bias, (0.0, float("inf")), ssm_state, starts, chunk_size)
+    for i, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
+        torch.testing.assert_close(y[s:e].double(), expected[i][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ssm_state[i].double(), expected[i][1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_scan_split_anywhere_carries_its_state():
+    """One request run in three calls (as chunked prefill then decode runs it) equals one call over all of it."""
+    x, dt, A, B, C, D, dt_bias, states = scan_case([24])
+    limit = (0.0, float("inf"))
+    whole_state = states.clone()
+    whole = mamba_reference.mamba2_scan(x, dt, A, B, C, D, dt_bias, limit, whole_state, [0, 24], 8)
+    state = states.clone()
+    parts = []
+    for s, e in [(0, 11), (11, 23), (23, 24)]:
+        parts.append(
+            mamba_reference.mamba2_scan(x[s:e], dt[s:e], A, B[s:e], C[s:e], D, dt_bias, limit, state, [0, e - s], 8)
+        )
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, whole_state, rtol=1e-5, atol=1e-5)
+
+
+def test_the_causal_convolution_carries_its_last_inputs():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 6, generator=gen)
+    weight, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    full = torch.nn.functional.conv1d(x.T[None], weight[:, None], bias, padding=3, groups=6)[0, :, :30].T
+    expected = torch.nn.functional.silu(full)
+    state = torch.zeros(1, 6, 3)
+    parts = [
+        mamba_reference.causal_conv1d(x[s:e], weight, bias, state, [0, e - s]) for s, e in [(0, 2), (2, 17), (17, 30)]
+    ]
+    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[0], x[-3:].T)
+
+
+def test_the_mamba1_scan_runs_each_request_from_its_own_state():
+    """Requests of 3, 1 and 6 tokens in one call equal each request alone, in float64, from its own state."""
+    gen = torch.Generator().manual_seed(2)
+    lengths, channels, state_size = [3, 1, 6], 5, 4
+    total = sum(lengths)
+    x, z, dt = (torch.randn(total, channels, generator=gen) for _ in range(3))
+    B, C = (torch.randn(total, state_size, generator=gen) for _ in range(2))
+    A = -torch.rand(channels, state_size, generator=gen)
+    D, dt_bias = torch.randn(channels, generator=gen), torch.randn(channels, generator=gen)
+    states = torch.randn(len(lengths), channels, state_size, generator=gen)
+    starts = [0, 3, 4, 10]
+    ssm_state = states.clone()
+    y = mamba_reference.selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, starts)
+    for row in range(len(lengths)):
+        h = states[row].double()
+        for t in range(starts[row], starts[row + 1]):
+            step = torch.nn.functional.softplus(dt[t].double() + dt_bias.double())
+            h = torch.exp(step[:, None] * A.double()) * h + (step * x[t].double())[:, None] * B[t].double()
+            expected = (h @ C[t].double() + D.double() * x[t].double()) * torch.nn.functional.silu(z[t].double())
+            torch.testing.assert_close(y[t].double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ssm_state[row].double(), h, rtol=1e-5, atol=1e-5)
