@@ -323,7 +323,38 @@ def test_latency_reports_percentiles(tiny_llama, tmp_path):
     assert set(summary) == {"mean", "median", "p90", "p99"} and len(latencies) == 3
     assert summary["median"] == pytest.approx(latencies[1]) and summary["mean"] == pytest.approx(sum(latencies) / 3)
     assert latencies[0] <= summary["median"] <= summary["p90"] <= summary["p99"] <= latencies[-1]
+    assert 0 < report["prefill_s"]["median"] < summary["median"] and report["tpot_ms"] > 0
     assert is_png(plot)
+
+
+def test_latency_over_several_contexts_reports_tpot_against_the_shortest(tiny_llama, tmp_path):
+    """``--input-len 8,40``: one run per context length, each with its TPOT and its ratio to the shortest's (how decode
+    slows as the context grows)."""
+    out = tmp_path / "lat.json"
+    result = engine(
+        "bench",
+        "latency",
+        "--model",
+        tiny_llama,
+        "--batch-size",
+        "1",
+        "--input-len",
+        "8,40",
+        "--output-len",
+        "6",
+        "--iterations",
+        "2",
+        "--output",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    runs = json.loads(out.read_text())["variants"]
+    assert set(runs) == {"input 8", "input 40"}
+    assert [runs[f"input {n}"]["input_len"] for n in (8, 40)] == [8, 40]
+    assert runs["input 8"]["tpot_vs_shortest_context"] == 1.0
+    assert runs["input 40"]["tpot_vs_shortest_context"] == pytest.approx(
+        runs["input 40"]["tpot_ms"] / runs["input 8"]["tpot_ms"]
+    )
 
 
 def test_serve_bench_against_a_live_server(tiny_llama, tmp_path):

@@ -123,7 +123,12 @@ def add_bench_parser(sub) -> None:
 
     lat = kinds.add_parser("latency", help="one batch, several iterations: mean and p50/p90/p99")
     lat.add_argument("--batch-size", type=int, default=8)
-    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument(
+        "--input-len",
+        type=_input_lengths,
+        default=[128],
+        help="prompt tokens; several (256,4096) run each in turn and report TPOT against the shortest's",
+    )
     lat.add_argument("--output-len", type=int, default=32)
     lat.add_argument("--iterations", type=int, default=5)
     lat.add_argument("--warmup", type=int, default=1)
@@ -493,6 +498,17 @@ def cmd_kernels(args) -> int:
     return 0
 
 
+def _input_lengths(text: str) -> list[int]:
+    """``256`` or ``256,4096``: prompt lengths, each a positive integer."""
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-len {text!r}: give integers separated by commas") from None
+    if any(n < 1 for n in lengths):
+        raise argparse.ArgumentTypeError(f"--input-len {text!r}: every length must be at least 1")
+    return lengths
+
+
 def cmd_latency(args) -> int:
     require_bench_extra(*(["matplotlib"] if args.plot else []))
     if args.compare_peer:
@@ -500,31 +516,43 @@ def cmd_latency(args) -> int:
     from engine_bench.offline import _in_fresh_process, run_latency
 
     base, variants = _split_variants(args)
+    run_variant = {}  # run label -> its variant's label
+    runs = []
+    for label, overrides in variants:
+        for n in args.input_len:
+            run_label = (
+                label if len(args.input_len) == 1 else f"{label}, input {n}" if len(variants) > 1 else f"input {n}"
+            )
+            run_variant[run_label] = label
+            runs.append((run_label, overrides, n))
     with noisy_neighbours(args.noisy_neighbour):
-        if len(variants) == 1:
+        if len(runs) == 1:
+            label, overrides, input_len = runs[0]
             results = {
-                variants[0][0]: run_latency(
-                    {**base, **variants[0][1]},
-                    args.batch_size,
-                    args.input_len,
-                    args.output_len,
-                    args.iterations,
-                    args.warmup,
+                label: run_latency(
+                    {**base, **overrides}, args.batch_size, input_len, args.output_len, args.iterations, args.warmup
                 )
             }
-        else:  # each variant in its own process (its own peak memory, no state carried over)
+        else:  # each run in its own process (its own peak memory, no state carried over)
             results = {
                 label: _in_fresh_process(
                     run_latency,
                     {**base, **overrides},
                     args.batch_size,
-                    args.input_len,
+                    input_len,
                     args.output_len,
                     args.iterations,
                     args.warmup,
                 )
-                for label, overrides in variants
+                for label, overrides, input_len in runs
             }
+    if len(args.input_len) > 1:  # how decode slows as the context grows: TPOT over the shortest context's
+        for label, _ in variants:
+            mine = [result for run_label, result in results.items() if run_variant[run_label] == label]
+            shortest = min(mine, key=lambda r: r["input_len"])
+            for result in mine:
+                if result["tpot_ms"] and shortest["tpot_ms"]:
+                    result["tpot_vs_shortest_context"] = result["tpot_ms"] / shortest["tpot_ms"]
     summary = {label: {k: v for k, v in result.items() if k != "latencies_s"} for label, result in results.items()}
     print(json.dumps(next(iter(summary.values())) if len(results) == 1 else summary, indent=1))
     if args.output:
@@ -549,6 +577,9 @@ def cmd_latency(args) -> int:
 
 def cmd_latency_against_llama_cpp(args) -> int:
     """pp and tg of one stream, the engine (every A/B variant) beside llama-bench, with ratios and peak memory."""
+    if len(args.input_len) > 1:
+        raise SystemExit("engine bench latency --compare-peer llama.cpp: give one --input-len")
+    args.input_len = args.input_len[0]
     import torch
 
     from engine.model.model_info import default_model_path

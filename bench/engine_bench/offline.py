@@ -293,22 +293,31 @@ def run_throughput_ab(
 def run_latency(
     overrides: dict[str, Any], batch_size: int, input_len: int, output_len: int, iterations: int, warmup: int
 ) -> dict:
-    """One batch of ``batch_size`` requests, end to end, ``iterations`` times after warm-ups."""
+    """One batch of ``batch_size`` requests, end to end, ``iterations`` times after warm-ups. Each iteration also
+    runs the batch's prefill alone (one output token), so that the time per output token after the first (TPOT) is
+    ``(latency - prefill) / (output_len - 1)``."""
     from engine import LLM, SamplingParams
     from engine_bench.workloads import random_workload
 
     llm = LLM(**overrides)
     requests = random_workload(batch_size, input_len, output_len)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompts = _prompts(requests)
-    times = []
+    times, prefills = [], []
     for i in range(warmup + iterations):
         llm.reset_prefix_cache()  # every iteration computes its prompts
+        start = time.perf_counter()
+        llm.generate(prompts, first_token, use_tqdm=False)
+        prefill = time.perf_counter() - start
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            prefills.append(prefill)
     llm.shutdown()
+    tpots = [(t - p) / (output_len - 1) for t, p in zip(times, prefills)] if output_len > 1 else []
     return {
         "batch_size": batch_size,
         "input_len": input_len,
@@ -316,6 +325,8 @@ def run_latency(
         "iterations": iterations,
         "latency_s": summarize(times),
         "latencies_s": times,
+        "prefill_s": summarize(prefills),
+        "tpot_ms": statistics.median(tpots) * 1000 if tpots else None,
         "peak_rss_mib": peak_rss_mib(),
         "median_s": statistics.median(times),
     }

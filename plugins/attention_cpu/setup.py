@@ -50,6 +50,13 @@ setup(
             extra_compile_args=FLAGS,
             extra_link_args=["-fopenmp"],
         ),
+        # Mamba's convolution and selective scans (hybrid models' state-space layers)
+        CppExtension(
+            "engine_attention_cpu._mamba",
+            ["engine_attention_cpu/csrc/mamba.cpp"],
+            extra_compile_args=FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
         # the decode step captured in C++: compiles the four kernel sources above in (their bindings left out), each
         # with its own contraction setting (pragmas), so a replayed step calls the same code as the eager layers
         CppExtension(

@@ -18,6 +18,7 @@ import torch
 from engine.interfaces.base import SelectionContext
 from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.layers.product_choice import ProductCandidate
+from engine_attention_cpu import mamba
 from engine_attention_cpu.decode_graph import capture_decode_step
 from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
 from engine_attention_cpu.moe import CpuFusedExperts, measure_onednn_min_rows, onednn_dtype
@@ -30,6 +31,15 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _cpu_rows(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() >= 1 and x.shape[-1] > 0
+
+
+def _load_mamba_ops():
+    """The ``_mamba`` extension, or None where it is not built (Mamba layers then run the torch reference)."""
+    if importlib.util.find_spec("engine_attention_cpu._mamba") is None:
+        return None
+    from engine_attention_cpu import _mamba
+
+    return _mamba
 
 
 class CpuLayerKernels(NativeLayerKernels):
@@ -45,6 +55,7 @@ class CpuLayerKernels(NativeLayerKernels):
         self._ops = _layers
         self._gemm = cpu_gemm_available()
         self._has_moe = importlib.util.find_spec("engine_attention_cpu._moe") is not None
+        self._mamba = _load_mamba_ops()
         self._expert_kinds: dict[tuple, int] = {}  # experts' shapes and dtype -> rows from which oneDNN runs them
 
     @classmethod
@@ -106,6 +117,23 @@ class CpuLayerKernels(NativeLayerKernels):
                 timings,
             )
         return CpuFusedExperts(w13, w2, self._expert_kinds[key], dtype)
+
+    def causal_conv1d(self, x, weight, bias, conv_state, query_start_loc, activation="silu"):
+        if self._mamba is None or x.device.type != "cpu":
+            return super().causal_conv1d(x, weight, bias, conv_state, query_start_loc, activation)
+        return mamba.causal_conv1d(self._mamba, x, weight, bias, conv_state, query_start_loc, activation)
+
+    def mamba2_scan(self, x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, query_start_loc, chunk_size):
+        """The recurrence token by token per (request, head) in C++ (the same sums as the chunked form, whose
+        products only pay off on matrix units)."""
+        if self._mamba is None or x.device.type != "cpu":
+            return super().mamba2_scan(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, query_start_loc, chunk_size)
+        return mamba.mamba2_scan(self._mamba, x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, query_start_loc)
+
+    def selective_scan(self, x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc):
+        if self._mamba is None or x.device.type != "cpu":
+            return super().selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc)
+        return mamba.selective_scan(self._mamba, x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc)
 
     def capture_decode_step(self, model, attention_layers):
         """The decoder-layer loop of a Llama-shaped model replayed in C++ for pure decode steps (``decode_graph``)."""

@@ -1,5 +1,6 @@
 """Layer kernels match the built-in ``native`` torch ops (RMSNorm, fused add + RMSNorm, SiLU-and-multiply,
-RoPE, packed linear products), in float32 and bfloat16."""
+RoPE, packed linear products) and the torch references (fused MoE, Mamba's convolution and scans), in float32 and
+bfloat16."""
 
 from __future__ import annotations
 
@@ -153,3 +154,71 @@ def test_fused_moe_matches_the_reference(kernels, dtype, tokens):
         want = fused_experts(x, local[0], local[1], weights, ids, emap)
         assert got.shape == x.shape and got.dtype == dtype
         torch.testing.assert_close(got, want, **tolerance(dtype))
+
+
+def _mamba_case(lengths: list[int], dtype: torch.dtype, seed: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    total, rows = sum(lengths), len(lengths)
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    return gen, total, rows, starts, randn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [9, 1, 30, 4]], ids=["decode", "mixed"])
+def test_mamba_state_kernels_match_the_reference(kernels, dtype, lengths):
+    """Mamba's causal convolution, Mamba2's scan (single step and chunked) and Mamba1's selective scan equal the torch
+    reference on a batch of requests laid end to end, each from its own conv / SSM state, and leave the same states
+    behind (the state a request carries into its next step)."""
+    from engine.model.layers import mamba_reference
+
+    _, total, rows, starts, randn = _mamba_case(lengths, dtype)
+    channels, kernel = 24, 4
+    x, weight, bias = randn(total, channels), randn(channels, kernel, scale=0.5), randn(channels)
+    conv_state = randn(rows, channels, kernel - 1)
+    want_state = conv_state.clone()
+    got = kernels.causal_conv1d(x, weight, bias, conv_state, starts, "silu")
+    want = mamba_reference.causal_conv1d(x, weight, bias, want_state, starts, "silu")
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    torch.testing.assert_close(conv_state, want_state, **tolerance(dtype))
+
+    heads, head_dim, groups, state = 4, 8, 2, 16
+    args = (
+        randn(total, heads, head_dim),
+        randn(total, heads),
+        -torch.rand(heads) * 2,
+        randn(total, groups, state),
+        randn(total, groups, state),
+        torch.randn(heads),
+        torch.randn(heads) * 0.5,
+        (0.0, float("inf")),
+    )
+    ssm_state = randn(rows, heads, head_dim, state)
+    want_ssm = ssm_state.clone()
+    got = kernels.mamba2_scan(*args, ssm_state, starts, 8)
+    want = mamba_reference.mamba2_scan(*args, want_ssm, starts, 8)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    torch.testing.assert_close(ssm_state, want_ssm, **tolerance(dtype))
+
+    dims = (total, channels)
+    mamba1 = (
+        randn(*dims),
+        randn(*dims),
+        -torch.rand(channels, state),
+        randn(total, state),
+        randn(total, state),
+        torch.randn(channels),
+        randn(*dims),
+        torch.randn(channels) * 0.5,
+    )
+    ssm_state = randn(rows, channels, state)
+    want_ssm = ssm_state.clone()
+    got = kernels.selective_scan(*mamba1, ssm_state, starts)
+    want = mamba_reference.selective_scan(*mamba1, want_ssm, starts)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    torch.testing.assert_close(ssm_state, want_ssm, **tolerance(dtype))
