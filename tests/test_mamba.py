@@ -31,6 +31,7 @@ BAMBA = dict(
 )
 GRANITE = dict(
     {key: value for key, value in BAMBA.items() if key != "attn_layer_indices"},
+    mamba_n_groups=1,
     layer_types=["mamba", "attention", "mamba", "mamba"],
     num_local_experts=4,
     num_experts_per_tok=2,
@@ -180,17 +181,21 @@ def test_prefix_caching_is_turned_off_with_a_start_up_line(make_tiny_model, capl
     llm.shutdown()
 
 
-@pytest.mark.parametrize(
-    "config,match",
-    [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
-        ({"speculative_config": {"method": "ngram"}}, "speculative.method='ngram'"),
-    ],
-)
-def test_what_mamba_layers_cannot_do_yet_is_refused_by_name(make_tiny_model, config, match):
+def test_speculative_decoding_is_refused_by_name(make_tiny_model):
     model_dir, _, _ = family_model(make_tiny_model, "bamba")
-    with pytest.raises(ConfigError, match=match):
-        LLM(model_dir, dtype="float32", **config)
+    with pytest.raises(ConfigError, match="speculative.method='ngram'"):
+        LLM(model_dir, dtype="float32", speculative_config={"method": "ngram"})
+
+
+@pytest.mark.parametrize("name", ["bamba", "granite-4.0-h", "jamba"])
+def test_tensor_parallel_hybrids_match_transformers(make_tiny_model, name):
+    """TP=2 splits the Mamba heads (Bamba: two groups, one per rank; Granite: one group, whole on both ranks, its
+    gated norm summed over them; Jamba: the channels, x_proj's product summed), the attention heads and the experts'
+    intermediate dimension; each rank keeps its share of every state."""
+    model_dir, _, reference = family_model(make_tiny_model, name)
+    tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=16)
+    assert tokens == reference, name
+    llm.shutdown()
 
 
 # ---- the kernels' torch reference ------------------------------------------------------------------------------

@@ -66,8 +66,8 @@ def check_pipeline_parallel(vllm_config: VllmConfig, model_info: ModelInfo) -> N
 
 
 def check_hybrid_model(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
-    """A model with Mamba layers: prefix caching is turned off (said once, at start-up), and what the Mamba layers
-    cannot do yet is refused with a ConfigError."""
+    """A model with Mamba layers: prefix caching is turned off (said once, at start-up), and speculative decoding is
+    refused with a ConfigError."""
     if not model_info.is_hybrid:
         return
     if vllm_config.cache.enable_prefix_caching:
@@ -77,12 +77,6 @@ def check_hybrid_model(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
             model_info.architecture,
         )
         vllm_config.cache.enable_prefix_caching = False
-    tp = vllm_config.parallel.tensor_parallel_size
-    if tp > 1:
-        raise ConfigError(
-            f"parallel.tensor_parallel_size={tp}: the Mamba layers of {model_info.architecture} are not sharded over "
-            "tensor-parallel ranks yet; use parallel.tensor_parallel_size=1 (pipeline and data parallelism work)"
-        )
     method = vllm_config.speculative.method
     if method != "none":
         raise ConfigError(

@@ -10,14 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import get_tp_group
 from engine.model.layers.kernels import current_layer_kernels
 from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from engine.model.layers.mamba_state import ConvWeights, MambaLayer
+from engine.model.layers.mamba_state import ConvWeights, MambaLayer, checkpoint_rows, rows_loader
 from engine.model.layers.norm import RMSNorm
 
 
 class MambaMixer(MambaLayer):
-    """One Mamba1 layer over the step's tokens (requests end to end, each with its state in its state block)."""
+    """One Mamba1 layer over the step's tokens (requests end to end, each with its state in its state block).
+
+    Tensor parallelism splits the channels (x, its gate, the convolution, dt's projection, A and D); ``x_proj``
+    reads all of them, so its product is summed over the ranks and every rank has the whole time step, B and C."""
 
     def __init__(
         self,
@@ -33,20 +37,41 @@ class MambaMixer(MambaLayer):
         use_bias: bool = False,
     ):
         super().__init__()
+        tp = get_tp_group()
+        if intermediate_size % tp.world_size:
+            raise ValueError(
+                f"a Mamba layer of {intermediate_size} channels cannot be split over "
+                f"tensor_parallel_size={tp.world_size}"
+            )
         self.layer_name = layer_name
         self.state_dtype = dtype
-        self.intermediate_size, self.state_size = intermediate_size, state_size
-        self.conv_kernel, self.time_step_rank = conv_kernel, time_step_rank
+        self.intermediate_size = intermediate_size // tp.world_size  # this rank's channels
+        self.state_size, self.conv_kernel, self.time_step_rank = state_size, conv_kernel, time_step_rank
+        channels = (tp.rank * self.intermediate_size, self.intermediate_size)
         self.in_proj = ColumnParallelLinear(hidden_size, [2 * intermediate_size], bias=use_bias)
-        self.conv1d = ConvWeights(intermediate_size, conv_kernel, use_conv_bias)
-        self.x_proj = ColumnParallelLinear(intermediate_size, [time_step_rank + 2 * state_size])
+        self.conv1d = ConvWeights(self.intermediate_size, conv_kernel, use_conv_bias)
+        # the time step, B and C read every channel: this rank's share of the product, summed over the ranks
+        self.x_proj = RowParallelLinear(intermediate_size, time_step_rank + 2 * state_size)
         self.dt_proj = ColumnParallelLinear(time_step_rank, [intermediate_size], bias=True)
         self.dt_layernorm = RMSNorm(time_step_rank, eps)
         self.b_layernorm = RMSNorm(state_size, eps)
         self.c_layernorm = RMSNorm(state_size, eps)
-        self.A_log = nn.Parameter(torch.empty(intermediate_size, state_size), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(intermediate_size), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.intermediate_size, state_size), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.intermediate_size), requires_grad=False)
         self.out_proj = RowParallelLinear(intermediate_size, hidden_size, bias=use_bias)
+        # the checkpoint's in_proj is [x | gate]: this rank's rows of each
+        in_proj_rows = checkpoint_rows(channels, (intermediate_size + channels[0], channels[1]))
+        channel_rows = checkpoint_rows(channels)
+        for param, rows in (
+            (self.in_proj.weight, in_proj_rows),
+            (self.in_proj.bias, in_proj_rows),
+            (self.conv1d.weight, channel_rows),
+            (self.conv1d.bias, channel_rows),
+            (self.A_log, channel_rows),
+            (self.D, channel_rows),
+        ):
+            if param is not None:
+                param.weight_loader = rows_loader(rows)  # type: ignore[attr-defined]
         self.kernels = current_layer_kernels()
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:

@@ -116,3 +116,17 @@ class ConvWeights(nn.Module):
     def kernel(self) -> torch.Tensor:
         """``[C, K]``."""
         return self.weight[:, 0]
+
+
+def checkpoint_rows(*pieces: tuple[int, int]) -> torch.Tensor:
+    """The checkpoint rows ``[start, start + count)`` of each piece, in order."""
+    return torch.cat([torch.arange(start, start + count) for start, count in pieces])
+
+
+def rows_loader(rows: torch.Tensor):
+    """A weight loader that copies the given rows of the checkpoint tensor (this rank's)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
+        param.data.copy_(loaded[rows].reshape(param.shape))
+
+    return load
