@@ -181,6 +181,14 @@ def test_prefix_caching_is_turned_off_with_a_start_up_line(make_tiny_model, capl
     llm.shutdown()
 
 
+def test_pipeline_parallel_hybrid_matches_transformers(make_tiny_model):
+    """PP=2: each stage binds and carries the states of its own Mamba layers."""
+    model_dir, _, reference = family_model(make_tiny_model, "jamba")
+    tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, pipeline_parallel_size=2, max_num_batched_tokens=16)
+    assert tokens == reference
+    llm.shutdown()
+
+
 def test_speculative_decoding_is_refused_by_name(make_tiny_model):
     model_dir, _, _ = family_model(make_tiny_model, "bamba")
     with pytest.raises(ConfigError, match="speculative.method='ngram'"):
