@@ -93,13 +93,11 @@ REFERENCE = {"attention": "torch", "layer_kernels": "native"}
         ("bamba", ASYNC),
         ("bamba", REFERENCE),
         ("granite-4.0-h", {}),
-        ("granite-4.0-h", CHUNKED),
         ("granite-4.0-h", PREEMPT),
         ("granite-rope", {}),
         ("jamba", {}),
         ("jamba", CHUNKED),
         ("jamba", PREEMPT),
-        ("jamba", ASYNC),
     ],
     ids=[
         "bamba-default",
@@ -108,13 +106,11 @@ REFERENCE = {"attention": "torch", "layer_kernels": "native"}
         "bamba-async",
         "bamba-torch-reference",
         "granite-default",
-        "granite-chunked",
         "granite-preempt",
         "granite-rope-dense",
         "jamba-default",
         "jamba-chunked",
         "jamba-preempt",
-        "jamba-async",
     ],
 )
 def test_hybrid_family_greedy_matches_transformers(make_tiny_model, name, config):

@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from tests.helpers import assert_all_blocks_free, hf_greedy
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 64
+MAX_TOKENS = 40
 PREAMBLE = (
     "You are a careful assistant for a small library in a coastal town. The library opens at nine, closes at "
     "six, lends books for three weeks, and charges no fines for children. Members may reserve up to five "
