@@ -293,31 +293,36 @@ def run_throughput_ab(
 def run_latency(
     overrides: dict[str, Any], batch_size: int, input_len: int, output_len: int, iterations: int, warmup: int
 ) -> dict:
-    """One batch of ``batch_size`` requests, end to end, ``iterations`` times after warm-ups. Each iteration also
-    runs the batch's prefill alone (one output token), so that the time per output token after the first (TPOT) is
-    ``(latency - prefill) / (output_len - 1)``."""
+    """One batch of ``batch_size`` requests, end to end, ``iterations`` times after warm-ups, stepped through the
+    engine: the time until every request has its first token (the batch's prefill) and the time per output token
+    after it (TPOT: the rest of the run over ``output_len - 1`` steps)."""
     from engine import LLM, SamplingParams
     from engine_bench.workloads import random_workload
 
     llm = LLM(**overrides)
+    engine = llm.llm_engine
     requests = random_workload(batch_size, input_len, output_len)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompts = _prompts(requests)
-    times, prefills = [], []
+    times, prefills, tpots = [], [], []
     for i in range(warmup + iterations):
         llm.reset_prefix_cache()  # every iteration computes its prompts
         start = time.perf_counter()
-        llm.generate(prompts, first_token, use_tqdm=False)
-        prefill = time.perf_counter() - start
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        waiting = {engine.add_request(prompt, params) for prompt in prompts}
+        first_tokens = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id in waiting and output.outputs and output.outputs[0].token_ids:
+                    waiting.discard(output.request_id)
+            if first_tokens is None and not waiting:
+                first_tokens = time.perf_counter()
+        end = time.perf_counter()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-            prefills.append(prefill)
+            times.append(end - start)
+            prefills.append((first_tokens or end) - start)
+            if output_len > 1 and first_tokens is not None:
+                tpots.append((end - first_tokens) / (output_len - 1))
     llm.shutdown()
-    tpots = [(t - p) / (output_len - 1) for t, p in zip(times, prefills)] if output_len > 1 else []
     return {
         "batch_size": batch_size,
         "input_len": input_len,
