@@ -185,6 +185,16 @@ def test_pipeline_parallel_hybrid_matches_transformers(make_tiny_model):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("name", ["bamba", "jamba"])
+def test_int8_weights_run_the_hybrids(make_tiny_model, name):
+    """Weight-only int8 quantizes the Mamba projections too (in_proj, x_proj, dt_proj, out_proj): the first greedy
+    token of most prompts stays the float model's."""
+    model_dir, _, reference = family_model(make_tiny_model, name)
+    tokens, llm = engine_greedy(model_dir, PROMPTS, 4, quantization="int8")
+    assert sum(t[0] == r[0] for t, r in zip(tokens, reference)) >= len(PROMPTS) - 1, (name, tokens)
+    llm.shutdown()
+
+
 def test_speculative_decoding_is_refused_by_name(make_tiny_model):
     model_dir, _, _ = family_model(make_tiny_model, "bamba")
     with pytest.raises(ConfigError, match="speculative.method='ngram'"):

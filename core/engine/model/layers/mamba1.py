@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_group
@@ -72,6 +71,7 @@ class MambaMixer(MambaLayer):
         ):
             if param is not None:
                 param.weight_loader = rows_loader(rows)  # type: ignore[attr-defined]
+        self.register_buffer("no_dt_bias", torch.zeros(self.intermediate_size), persistent=False)
         self.kernels = current_layer_kernels()
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -88,7 +88,7 @@ class MambaMixer(MambaLayer):
             x.contiguous(), self.conv1d.kernel, self.conv1d.bias, conv_state, metadata.query_start_loc
         )
         time_step, B, C = self.x_proj(x).split([self.time_step_rank, self.state_size, self.state_size], dim=-1)
-        dt = F.linear(self.dt_layernorm(time_step.contiguous()), self.dt_proj.weight)  # its bias goes in the scan
+        dt = self.dt_proj(self.dt_layernorm(time_step.contiguous()))  # with its bias: the scan adds none
         y = kernels.selective_scan(
             x,
             dt,
@@ -97,7 +97,7 @@ class MambaMixer(MambaLayer):
             self.c_layernorm(C.contiguous()),
             self.D,
             gate,
-            self.dt_proj.bias,
+            self.no_dt_bias,
             ssm_state,
             metadata.query_start_loc,
         )
