@@ -77,12 +77,13 @@ class BambaDecoderLayer(nn.Module):
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if self.is_attention:
-            hidden_states = self.self_attn(positions, hidden_states)
-        else:
-            hidden_states = self.mamba(hidden_states)
-        hidden_states, residual = self.pre_ff_layernorm(hidden_states, residual)
-        return self.feed_forward(hidden_states), residual
+        mixed = self.self_attn(positions, hidden_states) if self.is_attention else self.mamba(hidden_states)
+        hidden_states, residual = self.pre_ff_layernorm(self.scale_branch(mixed), residual)
+        return self.scale_branch(self.feed_forward(hidden_states)), residual
+
+    def scale_branch(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch's output as it joins the residual stream (Granite scales it)."""
+        return branch
 
 
 class BambaModel(LlamaModel):

@@ -4,7 +4,7 @@ scores, each residual branch and the logits."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -61,16 +61,8 @@ class GraniteMoeHybridDecoderLayer(BambaDecoderLayer):
     def make_mlp(self, config, layer_index: int) -> nn.Module:
         return GraniteMoeHybridMoE(config, layer_index)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        mixed = self.self_attn(positions, hidden_states) if self.is_attention else self.mamba(hidden_states)
-        hidden_states, residual = self.pre_ff_layernorm(mixed * self.residual_multiplier, residual)
-        return self.feed_forward(hidden_states) * self.residual_multiplier, residual
+    def scale_branch(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch * self.residual_multiplier
 
 
 class GraniteMoeHybridModel(LlamaModel):

@@ -150,11 +150,11 @@ class ModelRunner:
             names = [name for name in shared if name in own_specs]  # a pipeline stage holds its layers' caches only
             if not names:
                 continue
-            tensor = self._allocate_cache_tensor(names, own_specs, group_specs, num_blocks)
+            tensor, block_dim = self._allocate_cache_tensor(names, own_specs, group_specs, num_blocks)
             for name in names:
                 if name in self.mamba_layers:
                     spec = cast(MambaSpec, own_specs[name])
-                    self.mamba_layers[name].state = MambaStateCache(tensor, num_blocks, spec.shapes, spec.dtype)
+                    self.mamba_layers[name].state = MambaStateCache(tensor, block_dim, spec.shapes, spec.dtype)
                 else:
                     self.attention_layers[name].kv_cache = tensor
         for group_id, group in enumerate(kv_cache_config.groups):
@@ -187,22 +187,28 @@ class ModelRunner:
         own_specs: dict[str, KVCacheSpec],
         group_specs: dict[str, KVCacheSpec],
         num_blocks: int,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, int]:
         """One cache tensor for layers that share it, in the attention backend's layout of its first attention
-        layer (at the group's block size, which a hybrid model raises); Mamba layers view their pages in it. A
-        tensor of Mamba layers only is plain pages."""
+        layer (at the group's block size, which a hybrid model raises), and the dimension that indexes blocks (the
+        one that grows with the block count); Mamba layers view their pages in it. A tensor of Mamba layers only is
+        plain pages."""
         attention = [name for name in names if name in self.attention_layers]
         if not attention:
             spec = cast(MambaSpec, group_specs[names[0]])
             elements = -(-spec.page_size_bytes // spec.dtype.itemsize)
-            return torch.zeros((num_blocks, elements), dtype=spec.dtype, device=self.device)
+            return torch.zeros((num_blocks, elements), dtype=spec.dtype, device=self.device), 0
         own = cast(FullAttentionSpec, own_specs[attention[0]])
         block_size = group_specs[attention[0]].block_size
-        if isinstance(own, MLAAttentionSpec):
-            shape = self.attention_backend.get_mla_kv_cache_shape(num_blocks, block_size, own.head_size)
-        else:
-            shape = self.attention_backend.get_kv_cache_shape(num_blocks, block_size, own.num_kv_heads, own.head_size)
-        return torch.zeros(shape, dtype=own.dtype, device=self.device)
+        backend = self.attention_backend
+
+        def shape_of(blocks: int) -> tuple[int, ...]:
+            if isinstance(own, MLAAttentionSpec):
+                return tuple(backend.get_mla_kv_cache_shape(blocks, block_size, own.head_size))
+            return tuple(backend.get_kv_cache_shape(blocks, block_size, own.num_kv_heads, own.head_size))
+
+        shape = shape_of(num_blocks)
+        block_dim = next(d for d, (a, b) in enumerate(zip(shape, shape_of(num_blocks + 1))) if a != b)
+        return torch.zeros(shape, dtype=own.dtype, device=self.device), block_dim
 
     def _capture_decode_step(self) -> Optional[CapturedDecodeStep]:
         """The layer kernels' capture of the pure-decode step over the caches just allocated (None: eager)."""

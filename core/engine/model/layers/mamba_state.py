@@ -26,10 +26,6 @@ class MambaMetadata:
     state_blocks: torch.Tensor  # [R] int64
     starts: torch.Tensor  # [R] bool
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.query_start_loc) - 1
-
 
 class MambaMetadataBuilder(AttentionMetadataBuilder):
     """Builds :class:`MambaMetadata` from the common metadata (a Mamba group's block table has one column)."""
@@ -45,16 +41,16 @@ class MambaMetadataBuilder(AttentionMetadataBuilder):
 class MambaStateCache:
     """A Mamba layer's states as pages of a cache tensor it may share with attention layers (each block id's
     bytes in that tensor belong to one layer at a time). The block dimension may be the first or the second (K/V
-    stacked first), so a page is read as ``[outer, block, inner]`` and a state is its ``outer * inner`` elements,
-    of which the first are the conv state ``[C, K - 1]`` and then the SSM state."""
+    stacked first: ``block_dim`` says which), so a page is read as ``[outer, block, inner]`` and a state is its
+    ``outer * inner`` elements, of which the first are the conv state ``[C, K - 1]`` and then the SSM state."""
 
-    def __init__(self, tensor: torch.Tensor, num_blocks: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
+    def __init__(self, tensor: torch.Tensor, block_dim: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
+        if not tensor.is_contiguous():
+            raise ValueError(f"a Mamba layer's pages need a contiguous cache tensor, not one of {tuple(tensor.shape)}")
+        num_blocks = tensor.shape[block_dim]
+        outer = math.prod(tensor.shape[:block_dim])
         if tensor.dtype != dtype:
             tensor = tensor.view(torch.uint8).view(dtype)
-        block_dim = next((d for d in range(min(2, tensor.dim())) if tensor.shape[d] == num_blocks), None)
-        if block_dim is None or not tensor.is_contiguous():
-            raise ValueError(f"a cache tensor of shape {tuple(tensor.shape)} has no block dimension of {num_blocks}")
-        outer = math.prod(tensor.shape[:block_dim])
         self.pages = tensor.view(outer, num_blocks, -1)
         self.shapes = shapes
         self.sizes = [math.prod(shape) for shape in shapes]
@@ -63,11 +59,11 @@ class MambaStateCache:
 
     def read(self, blocks: torch.Tensor, starts: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """The states of the given blocks as new tensors ``[R, *shape]`` (zeros where ``starts``)."""
-        flat = self.pages[:, blocks].transpose(0, 1).reshape(len(blocks), -1)[:, : sum(self.sizes)]
+        flat = self.pages[:, blocks].transpose(0, 1).reshape(len(blocks), -1)  # a copy: indexing gathers
         if starts is not None and bool(starts.any()):
-            flat = flat.masked_fill(starts[:, None], 0)
-        states = flat.split(self.sizes, dim=1)
-        return [state.reshape(len(blocks), *shape).clone() for state, shape in zip(states, self.shapes)]
+            flat[starts] = 0
+        states = flat[:, : sum(self.sizes)].split(self.sizes, dim=1)
+        return [state.reshape(len(blocks), *shape).contiguous() for state, shape in zip(states, self.shapes)]
 
     def write(self, blocks: torch.Tensor, states: list[Any]) -> None:
         """Store the states of the given blocks."""
