@@ -176,3 +176,55 @@ def test_kernels_refuse_what_they_cannot_take():
         _quant.linear(torch.empty(1, 8), torch.randn(1, 64), weight.data[:, :20].contiguous(), None, 0, 0, None)
     with pytest.raises(RuntimeError, match="scales"):
         _quant.linear(torch.empty(1, 8), torch.randn(1, 64), quantize(_weight(8, 64), "int8").data, None, 3, 0, None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_experts_run_each_product_kind_exactly(fmt, variant):
+    """The cpu fused-MoE operation on packed experts: experts with fewer rows than the switch run the integer dot
+    products (equal to the reference that rounds the activations per block), the others the weight de-quantized into
+    the GEMM (equal to the float reference on de-quantized weights), and a step mixing both kinds gives each token
+    its own experts' kind; another rank's experts are left out (expert_map)."""
+    from engine.model.layers.moe_reference import dequantize_experts, fused_experts, quantized_fused_experts
+    from engine.model.quant_formats import QuantizedExperts
+    from engine_attention_cpu.gemm import cpu_gemm_available
+    from engine_attention_cpu.moe import NEVER, CpuQuantizedExperts
+
+    _variant_or_skip(variant)
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(64, 96)] + ([(48, 40)] if fmt == "int8" else [])  # int8 rows that are not whole blocks
+    for hidden, intermediate in shapes:
+        w13 = QuantizedExperts.stack([quantize(_weight(2 * intermediate, hidden, e), fmt) for e in range(6)])
+        w2 = QuantizedExperts.stack([quantize(_weight(hidden, intermediate, 10 + e), fmt) for e in range(6)])
+        # tokens 0-9 on expert 1 (a prompt-sized product), token 10 alone on expert 4, token 11 on expert 5
+        ids = torch.tensor([[1, 3]] * 10 + [[4, 0], [5, 2]])
+        weights = torch.rand(ids.shape, generator=gen)
+        x = torch.randn(len(ids), hidden, generator=gen)
+        dot_form = quantized_fused_experts(x, w13, w2, weights, ids)
+        float_form = fused_experts(x, dequantize_experts(w13), dequantize_experts(w2), weights, ids)
+        tol = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(CpuQuantizedExperts(w13, w2, variant, NEVER)(x, weights, ids), dot_form, **tol)
+        if not cpu_gemm_available():
+            continue
+        torch.testing.assert_close(CpuQuantizedExperts(w13, w2, variant, 1)(x, weights, ids), float_form, **tol)
+        # switch at 4 rows: experts 1 and 3 (10 rows each) run de-quantized, 0, 2, 4 and 5 (one row) by integer
+        # dots; weighing only each token's first expert (1 for tokens 0-9, 4 and 5 for tokens 10 and 11) gives
+        # every row one kind
+        first = weights.clone()
+        first[:, 1] = 0
+        mixed = CpuQuantizedExperts(w13, w2, variant, 4)(x, first, ids)
+        want = torch.cat(
+            [
+                fused_experts(x, dequantize_experts(w13), dequantize_experts(w2), first, ids)[:10],
+                quantized_fused_experts(x, w13, w2, first, ids)[10:],
+            ]
+        )
+        torch.testing.assert_close(mixed, want, **tol)
+        expert_map = torch.tensor([-1, -1, -1, 0, 1, 2])  # this rank holds experts 3-5
+        local = [
+            QuantizedExperts(fmt, (3, *w.shape[1:]), w.data[3:], None if w.scales is None else w.scales[3:])
+            for w in (w13, w2)
+        ]
+        got = CpuQuantizedExperts(*local, variant, NEVER)(x, weights, ids, expert_map)
+        torch.testing.assert_close(got, quantized_fused_experts(x, *local, weights, ids, expert_map), **tol)

@@ -28,6 +28,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from engine.config import VllmConfig
+    from engine.model.quant_formats import QuantizedExperts
 
 
 class DecodeCaptureUnsupported(Exception):
@@ -67,7 +68,7 @@ class LayerKernels(Pluggable):
         from engine.model.layers.packing import pack_linear_layers, pack_moe_layers
 
         pack_linear_layers(model, self.pack_linear)
-        pack_moe_layers(model, self.pack_experts)
+        pack_moe_layers(model, self.pack_experts, self.pack_quantized_experts)
 
     def pack_linear(
         self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
@@ -125,6 +126,16 @@ class LayerKernels(Pluggable):
         to keep the default. ``process_weights_after_loading`` calls it for every MoE layer, then releases the layer's
         plain expert weights (the product must hold what it reads)."""
         return None
+
+    def pack_quantized_experts(self, w13: QuantizedExperts, w2: QuantizedExperts) -> ExpertsProduct:
+        """The routed experts' products on packed quantized weights (``FusedMoE.quant_w13`` / ``quant_w2``, set by a
+        quantization method such as ``int8``), as ``pack_experts`` prepares float ones. The default de-quantizes
+        them once into float32 and packs those (``pack_experts``, else the torch reference); a kernel that reads
+        the packed blocks overrides it."""
+        from engine.model.layers.moe_reference import dequantize_experts, dequantized_experts_product
+
+        w13_float, w2_float = dequantize_experts(w13), dequantize_experts(w2)
+        return self.pack_experts(w13_float, w2_float) or dequantized_experts_product(w13_float, w2_float)
 
     def fused_moe(
         self, x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor

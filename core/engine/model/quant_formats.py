@@ -77,6 +77,37 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, (len(index), self.shape[1]), self.data.index_select(0, index), scales)
 
 
+@dataclass
+class QuantizedExperts:
+    """One projection of every local expert of an MoE layer in one packed format, stacked as the kernels read it:
+    ``data [experts, out_features, row bytes]`` (one :class:`QuantizedWeight`'s rows per expert) and, for ``int8``,
+    ``scales [experts, out_features]``."""
+
+    format: str
+    shape: tuple[int, int, int]  # experts, out_features, in_features
+    data: torch.Tensor
+    scales: Optional[torch.Tensor] = None
+
+    @classmethod
+    def stack(cls, weights: list[QuantizedWeight]) -> QuantizedExperts:
+        """The experts' weights (one format and shape) stacked."""
+        if not weights or len({(w.format, w.shape) for w in weights}) != 1:
+            raise ValueError(f"cannot stack experts {[(w.format, w.shape) for w in weights]}: one format and shape")
+        first = weights[0]
+        scales = None if first.scales is None else torch.stack([w.scales for w in weights if w.scales is not None])
+        data = torch.stack([w.data for w in weights]).contiguous()
+        return cls(first.format, (len(weights), *first.shape), data, scales)
+
+    def expert(self, index: int) -> QuantizedWeight:
+        """Expert ``index``'s weight ``[out_features, in_features]``."""
+        scales = None if self.scales is None else self.scales[index]
+        return QuantizedWeight(self.format, self.shape[1:], self.data[index], scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (0 if self.scales is None else self.scales.nbytes)
+
+
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights of one format along the output rows (fused QKV, gate and up)."""
     formats = {p.format for p in parts}

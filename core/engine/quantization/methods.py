@@ -12,29 +12,35 @@ from engine.interfaces.base import SelectionContext
 from engine.interfaces.quantization import QuantizationMethod
 from engine.model.layers.linear import finish_quantized_weight, linear_layers, set_quantized_weight
 from engine.model.layers.moe import moe_layers
-from engine.model.quant_formats import GGUF_TYPES, quantize
+from engine.model.quant_formats import GGUF_TYPES, QuantizedExperts, quantize
 
 logger = logging.getLogger(__name__)
 
 
 def _log_quantized(model: torch.nn.Module, method: str) -> None:
-    experts = moe_layers(model)
-    if experts:
-        logger.warning(
-            "%s: the experts of %d MoE layers stay in the model dtype (quantized experts are not supported yet); "
-            "the attention and dense layers are quantized",
-            method,
-            len(experts),
-        )
     packed = [w for m in model.modules() if (w := getattr(m, "quant_weight", None)) is not None]
-    if packed:
-        formats = sorted({w.format for w in packed})
+    experts = [w for m in moe_layers(model) for w in (m.quant_w13, m.quant_w2) if w is not None]
+    if packed or experts:
+        formats = sorted({w.format for w in packed + experts})
         logger.info(
-            "%s: %d weights kept packed (%s), %.1f MiB",
+            "%s: %d weights and the experts of %d MoE layers kept packed (%s), %.1f MiB",
             method,
             len(packed),
+            len(experts) // 2,
             ", ".join(formats),
-            sum(w.nbytes for w in packed) / 2**20,
+            sum(w.nbytes for w in packed + experts) / 2**20,
+        )
+
+
+def quantize_experts(model: torch.nn.Module, fmt: str) -> None:
+    """Quantize every MoE layer's experts into ``fmt``, expert by expert (``FusedMoE.set_quantized_experts``)."""
+    for layer in moe_layers(model):
+        if layer.quant_w13 is not None:
+            continue
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        layer.set_quantized_experts(
+            QuantizedExperts.stack([quantize(w, fmt) for w in w13]),
+            QuantizedExperts.stack([quantize(w, fmt) for w in w2]),
         )
 
 
@@ -76,9 +82,9 @@ class GGUFQuantization(QuantizationMethod):
 
 
 class Int8Quantization(QuantizationMethod):
-    """Weight-only int8: every linear weight and the LM head quantized at load, one float32 scale per output
-    channel (absmax / 127); activations are quantized per block of 32 inside the products. Never chosen by
-    ``auto``."""
+    """Weight-only int8: every linear weight, the LM head and the MoE experts quantized at load, one float32 scale per
+    output channel (absmax / 127); activations are quantized per block of 32 inside the products. Routers stay in
+    float. Never chosen by ``auto``."""
 
     name = "int8"
     priority = 5
@@ -95,6 +101,7 @@ class Int8Quantization(QuantizationMethod):
         head = getattr(model, "lm_head", None) if hasattr(model, "logits_gemm") else None
         if head is not None and getattr(head, "quant_weight", None) is None:
             set_quantized_weight(head, quantize(head.weight.data, "int8"))
+        quantize_experts(model, "int8")
         _log_quantized(model, "int8")
 
 

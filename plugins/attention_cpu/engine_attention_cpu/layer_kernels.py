@@ -21,7 +21,14 @@ from engine.model.layers.product_choice import ProductCandidate
 from engine_attention_cpu import mamba
 from engine_attention_cpu.decode_graph import capture_decode_step
 from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
-from engine_attention_cpu.moe import CpuFusedExperts, measure_onednn_min_rows, onednn_dtype
+from engine_attention_cpu.moe import (
+    NEVER,
+    CpuFusedExperts,
+    CpuQuantizedExperts,
+    measure_dequant_min_rows,
+    measure_onednn_min_rows,
+    onednn_dtype,
+)
 from engine_attention_cpu.quant import DequantizedGemmProduct, QuantDotProduct, variants
 
 logger = logging.getLogger(__name__)
@@ -56,7 +63,7 @@ class CpuLayerKernels(NativeLayerKernels):
         self._gemm = cpu_gemm_available()
         self._has_moe = importlib.util.find_spec("engine_attention_cpu._moe") is not None
         self._mamba = _load_mamba_ops()
-        self._expert_kinds: dict[tuple, int] = {}  # experts' shapes and dtype -> rows from which oneDNN runs them
+        self._expert_kinds: dict[tuple, int] = {}  # experts' shapes and dtype or format -> rows where the kind switches
 
     @classmethod
     def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -117,6 +124,30 @@ class CpuLayerKernels(NativeLayerKernels):
                 timings,
             )
         return CpuFusedExperts(w13, w2, self._expert_kinds[key], dtype)
+
+    def pack_quantized_experts(self, w13, w2):
+        """Packed quantized experts run in C++ as they are stored (``moe.CpuQuantizedExperts``): the widest integer-dot
+        variant this CPU runs for small products, the weights de-quantized into the GEMM's panels from a row count
+        measured on the experts' shapes (once per shape and format); the default (de-quantized once, into float)
+        where the kernels are not built."""
+        if not (self._has_moe and importlib.util.find_spec("engine_attention_cpu._quant") is not None):
+            return super().pack_quantized_experts(w13, w2)
+        runnable = [name for name, ok in variants().items() if ok]
+        variant = runnable[-1]  # the widest: variants() lists them scalar first
+        key = (w13.format, w13.shape[1:], w2.shape[1:], variant)
+        if key not in self._expert_kinds:
+            min_rows, timings = measure_dequant_min_rows(w13, w2, variant, self._gemm)
+            self._expert_kinds[key] = min_rows
+            logger.info(
+                "%s experts %s / %s: integer dot products (%s) for %s (us per product: %s)",
+                w13.format,
+                "x".join(map(str, w13.shape[1:])),
+                "x".join(map(str, w2.shape[1:])),
+                variant,
+                "every product" if min_rows >= NEVER else f"fewer than {min_rows} rows, the de-quantized GEMM above",
+                timings,
+            )
+        return CpuQuantizedExperts(w13, w2, variant, self._expert_kinds[key])
 
     def causal_conv1d(self, x, weight, bias, conv_state, query_start_loc, activation="silu"):
         if self._mamba is None or x.device.type != "cpu":

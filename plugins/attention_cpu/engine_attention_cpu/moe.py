@@ -6,6 +6,10 @@ the model's 16-bit dtype on CPUs with native 16-bit GEMMs), chosen by row count:
 experts' shapes at the row counts experts see (a few rows per expert in decode steps, hundreds in prompt chunks),
 and oneDNN takes the products from the smallest row count where it is clearly faster on both shapes. Only the
 weights a chosen kind reads are kept.
+
+Experts a quantization method packed (int8, GGUF Q4/Q8 blocks) stay packed: small products run the integer-dot
+kernels of ``quant.py`` on them, large ones de-quantize each expert's weight into the GEMM's panels on each call, from
+a row count measured the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 
 from engine.model.layers.gemm import PackedHalfLinear, PackedLinear, cpu_has_half_gemm
 from engine.model.layers.product_choice import SWITCH_MARGIN, time_candidates
+from engine.model.quant_formats import QuantizedExperts
+from engine_attention_cpu.quant import FORMAT_IDS, DequantizedGemmProduct, QuantDotProduct, variants
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,28 @@ def onednn_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
+def _smallest_winning_rows(
+    shapes: list[tuple[int, dict[str, Callable[[torch.Tensor], torch.Tensor]]]], challenger: str, incumbent: str
+) -> tuple[int, dict]:
+    """The smallest of ``ROW_COUNTS`` from which ``challenger`` is clearly faster than ``incumbent`` on every shape
+    (``(in_features, {name: product})``) at that and every larger count, NEVER if none; with the timings (us)."""
+    generator = torch.Generator().manual_seed(0)
+    by_rows: dict[int, bool] = {}
+    timings: dict[str, dict[str, float]] = {}
+    for k, products in shapes:
+        for rows in ROW_COUNTS:
+            seconds = time_candidates(products, torch.randn(rows, k, generator=generator))
+            timings[f"{k}@{rows}"] = {name: round(s * 1e6, 1) for name, s in seconds.items()}
+            won = seconds[challenger] * (1 + SWITCH_MARGIN) < seconds[incumbent]
+            by_rows[rows] = by_rows.get(rows, True) and won
+    threshold = NEVER
+    for rows in reversed(ROW_COUNTS):
+        if not by_rows[rows]:
+            break
+        threshold = rows
+    return threshold, timings
+
+
 def measure_onednn_min_rows(
     w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype, gemm_available: bool
 ) -> tuple[int, dict]:
@@ -47,31 +75,36 @@ def measure_onednn_min_rows(
         return 0, {}
     from engine_attention_cpu import _gemm
 
-    generator = torch.Generator().manual_seed(0)
-    wins: list[tuple[int, bool]] = []
-    timings: dict[str, dict[str, float]] = {}
+    shapes: list[tuple[int, dict[str, Callable[[torch.Tensor], torch.Tensor]]]] = []
     for weight in (w13[0], w2[0]):
-        n, k = weight.shape
+        n = weight.shape[0]
         panels = _gemm.pack_weight(weight.detach().float())
         onednn = PackedLinear(weight, None) if dtype == torch.float32 else PackedHalfLinear(weight, None, dtype)
 
         def avx2(x: torch.Tensor, panels: torch.Tensor = panels, n: int = n) -> torch.Tensor:
             return _gemm.forward(x, panels, None, n)
 
-        products: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"cpu-avx2": avx2, "onednn": onednn}
-        for rows in ROW_COUNTS:
-            seconds = time_candidates(products, torch.randn(rows, k, generator=generator))
-            timings[f"{n}x{k}@{rows}"] = {name: round(s * 1e6, 1) for name, s in seconds.items()}
-            wins.append((rows, seconds["onednn"] * (1 + SWITCH_MARGIN) < seconds["cpu-avx2"]))
-    by_rows: dict[int, bool] = {}
-    for rows, won in wins:
-        by_rows[rows] = by_rows.get(rows, True) and won
-    threshold = NEVER
-    for rows in reversed(ROW_COUNTS):  # the smallest count from which oneDNN wins at every larger one
-        if not by_rows[rows]:
-            break
-        threshold = rows
-    return threshold, timings
+        shapes.append((weight.shape[1], {"cpu-avx2": avx2, "onednn": onednn}))
+    return _smallest_winning_rows(shapes, "onednn", "cpu-avx2")
+
+
+def measure_dequant_min_rows(
+    w13: QuantizedExperts, w2: QuantizedExperts, variant: str, gemm_available: bool
+) -> tuple[int, dict]:
+    """The smallest measured row count from which de-quantizing an expert's weight into the AVX2 GEMM's panels is
+    clearly faster than the integer dot products (``variant``) on both expert products, with the timings; NEVER
+    when it never is or the GEMM is not built."""
+    if not gemm_available:
+        return NEVER, {}
+    shapes: list[tuple[int, dict[str, Callable[[torch.Tensor], torch.Tensor]]]] = []
+    for weights in (w13, w2):
+        weight = weights.expert(0)
+        products = {
+            variant: QuantDotProduct(weight, None, variant),
+            "dequant-avx2": DequantizedGemmProduct(weight, None),
+        }
+        shapes.append((weight.shape[1], products))
+    return _smallest_winning_rows(shapes, "dequant-avx2", variant)
 
 
 class CpuFusedExperts:
@@ -109,6 +142,47 @@ class CpuFusedExperts:
             self.w13_onednn,
             self.w2_onednn,
             self.onednn_min_rows,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            self.intermediate_size,
+        )
+
+
+class CpuQuantizedExperts:
+    """``(x, topk_weights, topk_ids, expert_map) -> [T, hidden]`` on experts kept packed in a quantized format
+    (``csrc/fused_moe.cpp``): the integer-dot kernel ``variant`` for products of fewer than ``dequant_min_rows``
+    rows, the weight de-quantized into the AVX2 GEMM's panels for larger ones; x's dtype in and out."""
+
+    def __init__(self, w13: QuantizedExperts, w2: QuantizedExperts, variant: str, dequant_min_rows: int):
+        from engine_attention_cpu import _moe
+
+        if w13.format != w2.format:
+            raise ValueError(f"experts packed in two formats ({w13.format}, {w2.format})")
+        self._moe = _moe
+        self.w13, self.w2 = w13, w2
+        self.format_id = FORMAT_IDS[w13.format]
+        self.variant = variant
+        self.variant_id = list(variants()).index(variant)
+        self.dequant_min_rows = dequant_min_rows
+        self.intermediate_size = w2.shape[2]
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self._moe.fused_quant_experts(
+            x,
+            self.w13.data,
+            self.w13.scales,
+            self.w2.data,
+            self.w2.scales,
+            self.format_id,
+            self.variant_id,
+            self.dequant_min_rows,
             topk_weights,
             topk_ids,
             expert_map,

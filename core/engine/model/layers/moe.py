@@ -20,6 +20,7 @@ from engine.distributed.parallel_state import get_ep_group, get_tp_group
 from engine.interfaces.layer_kernels import ExpertsProduct, MoERouting
 from engine.model.layers.kernels import current_layer_kernels
 from engine.model.layers.linear import even_partition
+from engine.model.quant_formats import QuantizedExperts
 
 # checkpoint projection -> the stacked parameter's prefix (vLLM's w1 = gate, w3 = up, w2 = down)
 EXPERT_SHARDS = {"w1": "w13_", "w3": "w13_", "w2": "w2_"}
@@ -89,6 +90,9 @@ class FusedMoE(nn.Module):
             local = slice(self.first_expert, self.first_expert + self.num_local_experts)
             self.expert_map[local] = torch.arange(self.num_local_experts)
         self.packed: Optional[ExpertsProduct] = None  # set by the loader (LayerKernels.pack_experts)
+        # experts packed by a quantization method (set_quantized_experts), run by LayerKernels.pack_quantized_experts
+        self.quant_w13: Optional[QuantizedExperts] = None
+        self.quant_w2: Optional[QuantizedExperts] = None
         self.kernels = current_layer_kernels()
         # tokens routed to each expert (all of them, whichever rank holds it) since the engine started
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
@@ -140,6 +144,16 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"expert {expert_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit {expected}"
             )
+
+    def set_quantized_experts(self, w13: QuantizedExperts, w2: QuantizedExperts) -> None:
+        """Make packed quantized weights this layer's experts (``w13 [experts, 2 x intermediate, hidden]``, ``w2
+        [experts, hidden, intermediate]``, this rank's slices); the float weights are emptied (their memory goes)."""
+        expected = (tuple(self.w13_weight.shape), tuple(self.w2_weight.shape))
+        if (w13.shape, w2.shape) != expected:
+            raise ValueError(f"quantized experts of shapes {w13.shape} / {w2.shape} do not fit {expected}")
+        self.quant_w13, self.quant_w2 = w13, w2
+        for param in (self.w13_weight, self.w2_weight):
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.kernels.select_experts(router_logits, self.routing, self.e_score_correction_bias)

@@ -3,13 +3,15 @@ products that every ``LayerKernels`` implementation is checked against (``native
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from engine.model.quant_formats import QuantizedExperts, dequantize, quantize_activations
+
 if TYPE_CHECKING:
-    from engine.interfaces.moe import MoERouting
+    from engine.interfaces.moe import ExpertsProduct, MoERouting
 
 
 def select_experts(
@@ -68,17 +70,71 @@ def fused_experts(
 ) -> torch.Tensor:
     """``sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x))`` per token over its experts held here, the products in
     the weights' dtype, the weighted sum in float32 in the order of the experts' ids; returns x's dtype."""
+    return _grouped_experts(
+        x,
+        x.to(w13.dtype),
+        w13.shape[0],
+        lambda expert, rows: F.linear(rows, w13[expert]),
+        lambda expert, rows: F.linear(rows, w2[expert]),
+        topk_weights,
+        topk_ids,
+        expert_map,
+    )
+
+
+def quantized_fused_experts(
+    x: torch.Tensor,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The fused-MoE operation on packed quantized experts as integer-dot kernels compute it: each product's
+    activations rounded per block of 32 (``quantize_activations``), then multiplied by the de-quantized weight, in
+    float32. The reference a kernel on packed experts is checked against."""
+
+    def product(weights: QuantizedExperts) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        return lambda expert, rows: F.linear(quantize_activations(rows), dequantize(weights.expert(expert)))
+
+    return _grouped_experts(x, x.float(), w13.shape[0], product(w13), product(w2), topk_weights, topk_ids, expert_map)
+
+
+def dequantize_experts(weights: QuantizedExperts) -> torch.Tensor:
+    """Packed experts de-quantized: float32 ``[experts, out_features, in_features]``."""
+    return torch.stack([dequantize(weights.expert(e)) for e in range(weights.shape[0])])
+
+
+def dequantized_experts_product(w13: torch.Tensor, w2: torch.Tensor) -> ExpertsProduct:
+    """The reference ``fused_experts`` on fixed expert weights, as an experts' product."""
+
+    def product(x, topk_weights, topk_ids, expert_map=None):
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, expert_map)
+
+    return product
+
+
+def _grouped_experts(
+    x: torch.Tensor,
+    x_cast: torch.Tensor,
+    num_experts: int,
+    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+    down: Callable[[int, torch.Tensor], torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: Optional[torch.Tensor],
+) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    order, tokens, counts = group_by_expert(local_expert_ids(topk_ids, expert_map), w13.shape[0])
-    rows = x.to(w13.dtype).index_select(0, tokens)
+    order, tokens, counts = group_by_expert(local_expert_ids(topk_ids, expert_map), num_experts)
+    rows = x_cast.index_select(0, tokens)
     weights = topk_weights.flatten().float().index_select(0, order)
     start = 0
     for expert, count in enumerate(counts):  # the reference: one product pair per expert with tokens
         if count == 0:
             continue
         end = start + count
-        gate, up = F.linear(rows[start:end], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]).float() * weights[start:end, None]
+        gate, up = gate_up(expert, rows[start:end]).chunk(2, dim=-1)
+        y = down(expert, F.silu(gate) * up).float() * weights[start:end, None]
         out.index_add_(0, tokens[start:end], y)
         start = end
     return out.to(x.dtype)

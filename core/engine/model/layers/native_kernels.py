@@ -64,7 +64,7 @@ class NativeLayerKernels(LayerKernels):
                     )
                     log_table(self.quantized_tables[fmt])
         pack_linear_layers(model, self.pack_linear, head_in_float32=widened, pack_quantized=self.pack_quantized)
-        pack_moe_layers(model, self.pack_experts)
+        pack_moe_layers(model, self.pack_experts, self.pack_quantized_experts)
 
     def product_candidates(self, dtype: torch.dtype) -> list[ProductCandidate]:
         """The CPU products to choose among by measurement (a plugin adds its own kernels to these)."""

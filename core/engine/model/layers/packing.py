@@ -9,7 +9,7 @@ import torch
 
 from engine.model.layers.gemm import PlainProduct, onednn_packed_linear
 from engine.model.layers.linear import PackedProduct, RowParallelLinear, linear_layers
-from engine.model.quant_formats import QuantizedWeight, dequantize
+from engine.model.quant_formats import QuantizedExperts, QuantizedWeight, dequantize
 
 if TYPE_CHECKING:
     from engine.interfaces.moe import ExpertsProduct
@@ -52,17 +52,27 @@ def pack_linear_layers(
     return packed
 
 
-def pack_moe_layers(model: Any, pack_experts: Callable[[torch.Tensor, torch.Tensor], Optional[ExpertsProduct]]) -> int:
-    """Give every MoE layer (a module with stacked ``w13_weight`` and ``w2_weight``: ``FusedMoE``) the experts'
-    products ``pack_experts(w13, w2)`` prepares (``layer.packed``); returns how many layers got one (None keeps the
-    layer kernels' default ``fused_moe``).
+def pack_moe_layers(
+    model: Any,
+    pack_experts: Callable[[torch.Tensor, torch.Tensor], Optional[ExpertsProduct]],
+    pack_quantized_experts: Optional[Callable[[QuantizedExperts, QuantizedExperts], ExpertsProduct]] = None,
+) -> int:
+    """Give every MoE layer (``FusedMoE``) the experts' products ``pack_experts(w13, w2)`` prepares (``layer.packed``),
+    or ``pack_quantized_experts(quant_w13, quant_w2)`` for a layer whose experts a quantization method packed;
+    returns how many layers got one (None keeps the layer kernels' default ``fused_moe``).
 
     Unlike a linear layer's, a packed MoE layer's plain expert weights are released (emptied, their dtype kept): the
     experts are most of an MoE model, and a second copy of them would double its memory."""
     packed = 0
     layers = [m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "w2_weight")]
     for layer in layers:
-        layer.packed = pack_experts(layer.w13_weight.data, layer.w2_weight.data)
+        quant_w13, quant_w2 = getattr(layer, "quant_w13", None), getattr(layer, "quant_w2", None)
+        if quant_w13 is not None and quant_w2 is not None:
+            if pack_quantized_experts is None:
+                raise ValueError("the layer kernels cannot run quantized experts (no pack_quantized_experts)")
+            layer.packed = pack_quantized_experts(quant_w13, quant_w2)
+        else:
+            layer.packed = pack_experts(layer.w13_weight.data, layer.w2_weight.data)
         if layer.packed is not None:
             packed += 1
             for param in (layer.w13_weight, layer.w2_weight):

@@ -156,6 +156,37 @@ def test_fused_moe_matches_the_reference(kernels, dtype, tokens):
         torch.testing.assert_close(got, want, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0"])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_quantized_experts_match_the_reference(kernels, fmt, tokens):
+    """Experts a quantization method packed (``pack_quantized_experts``) give the fused-MoE output of their
+    de-quantized weights, within the error of rounding the activations to int8 per block of 32 (as integer-dot
+    kernels do): no further from it than the reference of that rounding is, on all experts or on another rank's."""
+    from types import SimpleNamespace
+
+    from engine.interfaces.layer_kernels import MoERouting
+    from engine.model.layers.moe_reference import dequantize_experts, fused_experts, quantized_fused_experts
+    from engine.model.quant_formats import QuantizedExperts, quantize
+
+    gen = torch.Generator().manual_seed(5)
+    num_experts, hidden, intermediate = 8, 64, 96
+    w13 = QuantizedExperts.stack([quantize(w, fmt) for w in torch.randn(num_experts, 2 * intermediate, hidden) * 0.2])
+    w2 = QuantizedExperts.stack([quantize(w, fmt) for w in torch.randn(num_experts, hidden, intermediate) * 0.2])
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = kernels.select_experts(torch.randn(tokens, num_experts, generator=gen), MoERouting(top_k=3))
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int64)
+    expert_map[4:] = torch.arange(4)  # this rank holds experts 4-7 of 8
+    local_w13 = QuantizedExperts(fmt, (4, *w13.shape[1:]), w13.data[4:], None if w13.scales is None else w13.scales[4:])
+    local_w2 = QuantizedExperts(fmt, (4, *w2.shape[1:]), w2.data[4:], None if w2.scales is None else w2.scales[4:])
+    for (q13, q2), emap in (((w13, w2), None), ((local_w13, local_w2), expert_map)):
+        layer = SimpleNamespace(expert_map=emap, packed=kernels.pack_quantized_experts(q13, q2))
+        got = kernels.fused_moe(x, layer, weights, ids)
+        want = fused_experts(x, dequantize_experts(q13), dequantize_experts(q2), weights, ids, emap)
+        rounding = (quantized_fused_experts(x, q13, q2, weights, ids, emap) - want).abs().max().item()
+        assert got.shape == x.shape and got.dtype == x.dtype
+        torch.testing.assert_close(got, want, atol=1.5 * rounding + 1e-4, rtol=0)
+
+
 def _mamba_case(lengths: list[int], dtype: torch.dtype, seed: int = 4):
     gen = torch.Generator().manual_seed(seed)
     total, rows = sum(lengths), len(lengths)

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "spin_pool.h"
@@ -23,6 +24,12 @@
 
 #define ENGINE_KERNELS_NO_MODULE 1
 #include "gemm.cpp"  // namespace engine_cpu
+
+// the integer-dot kernels of quantized experts, with the contraction setting they are built with on their own
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#include "quant_gemm.cpp"  // namespace engine_quant
+#pragma GCC pop_options
 
 namespace engine_moe {
 
@@ -116,31 +123,19 @@ void run_products(const float* x, int64_t k, const ExpertWeightsView& weights, c
 #endif
 }
 
-// x [T, H] (any float dtype); w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed float32 panels
-// and/or one oneDNN-reordered weight per expert (w13_onednn, w2_onednn), the latter taking every expert product of
-// at least onednn_min_rows rows; topk_weights [T, K] float32, topk_ids [T, K] int64 global expert ids, expert_map
-// [E_global] -> local index or -1 (experts other ranks hold) or None. Returns [T, H] in x's dtype.
-torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c10::optional<torch::Tensor> w2,
-                            std::vector<torch::Tensor> w13_onednn, std::vector<torch::Tensor> w2_onednn,
-                            int64_t onednn_min_rows, torch::Tensor topk_weights, torch::Tensor topk_ids,
-                            c10::optional<torch::Tensor> expert_map, int64_t intermediate) {
+// The products of one layer's experts, phase by phase: out rows [counts[e], counts[e+1]) = x rows @ W_e.T, for the
+// gate/up weights (phase 0, n = 2I) or the down weights (phase 1, n = H).
+using ExpertProducts = std::function<void(int phase, const float* x, int64_t k, const std::vector<int64_t>& counts,
+                                          int64_t n, float* out)>;
+
+// The routing, grouping and combine around an experts' products. x [T, H] (any float dtype); topk_weights [T, K]
+// float32, topk_ids [T, K] int64 global expert ids, expert_map [E_global] -> local index or -1 (experts other ranks
+// hold) or None. Returns [T, H] in x's dtype.
+torch::Tensor grouped_experts(torch::Tensor x, int64_t experts, int64_t intermediate, torch::Tensor topk_weights,
+                              torch::Tensor topk_ids, c10::optional<torch::Tensor> expert_map,
+                              const ExpertProducts& products) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be [tokens, hidden] on the CPU");
-  TORCH_CHECK(w13.has_value() == w2.has_value() && w13_onednn.size() == w2_onednn.size() &&
-                  (w13.has_value() || !w13_onednn.empty()),
-              "give the experts' panels, their oneDNN weights, or both, for w13 and w2 alike");
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1);
-  const int64_t experts = w13.has_value() ? w13->size(0) : static_cast<int64_t>(w13_onednn.size());
-  if (w13.has_value()) {
-    TORCH_CHECK(w13->dim() == 4 && w2->dim() == 4 && w13->is_contiguous() && w2->is_contiguous() &&
-                    w13->scalar_type() == at::kFloat && w2->scalar_type() == at::kFloat,
-                "expert panels must be packed float32 [E, panels, K, 16]");
-    TORCH_CHECK(w13->size(2) == hidden && w2->size(2) == intermediate && w2->size(1) * engine_cpu::kCols >= hidden &&
-                    w13->size(1) * engine_cpu::kCols >= 2 * intermediate,
-                "expert weights do not fit hidden size ", hidden, " and intermediate size ", intermediate);
-  }
-  TORCH_CHECK(w13_onednn.empty() || static_cast<int64_t>(w13_onednn.size()) == experts,
-              "one oneDNN weight per expert");
-  const ExpertWeightsView gate_up{w13, &w13_onednn, onednn_min_rows}, down{w2, &w2_onednn, onednn_min_rows};
   torch::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
   torch::Tensor ids = topk_ids.to(at::kLong).contiguous();
   torch::Tensor weights = topk_weights.to(at::kFloat).contiguous();
@@ -179,11 +174,11 @@ torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c
                                                 xs + (choice_of_row[r] / top_k + 1) * hidden, g + r * hidden);
   });
   torch::Tensor gate_up_rows = at::empty({rows, 2 * intermediate}, xf.options());
-  run_products(g, hidden, gate_up, counts, 2 * intermediate, gate_up_rows.data_ptr<float>());
+  products(0, g, hidden, counts, 2 * intermediate, gate_up_rows.data_ptr<float>());
   torch::Tensor act =
       (at::silu(gate_up_rows.narrow(1, 0, intermediate)) * gate_up_rows.narrow(1, intermediate, intermediate)).contiguous();
   torch::Tensor down_rows = at::empty({rows, hidden}, xf.options());
-  run_products(act.data_ptr<float>(), intermediate, down, counts, hidden, down_rows.data_ptr<float>());
+  products(1, act.data_ptr<float>(), intermediate, counts, hidden, down_rows.data_ptr<float>());
 
   // combine: rows in expert order, so each token's outputs are added in the order of its experts' ids; threads
   // split the hidden columns (every token's sum keeps that order)
@@ -202,6 +197,133 @@ torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed float32 panels and/or one oneDNN-reordered
+// weight per expert (w13_onednn, w2_onednn), the latter taking every expert product of at least onednn_min_rows rows.
+torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c10::optional<torch::Tensor> w2,
+                            std::vector<torch::Tensor> w13_onednn, std::vector<torch::Tensor> w2_onednn,
+                            int64_t onednn_min_rows, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                            c10::optional<torch::Tensor> expert_map, int64_t intermediate) {
+  TORCH_CHECK(w13.has_value() == w2.has_value() && w13_onednn.size() == w2_onednn.size() &&
+                  (w13.has_value() || !w13_onednn.empty()),
+              "give the experts' panels, their oneDNN weights, or both, for w13 and w2 alike");
+  const int64_t hidden = x.size(-1);
+  const int64_t experts = w13.has_value() ? w13->size(0) : static_cast<int64_t>(w13_onednn.size());
+  if (w13.has_value()) {
+    TORCH_CHECK(w13->dim() == 4 && w2->dim() == 4 && w13->is_contiguous() && w2->is_contiguous() &&
+                    w13->scalar_type() == at::kFloat && w2->scalar_type() == at::kFloat,
+                "expert panels must be packed float32 [E, panels, K, 16]");
+    TORCH_CHECK(w13->size(2) == hidden && w2->size(2) == intermediate && w2->size(1) * engine_cpu::kCols >= hidden &&
+                    w13->size(1) * engine_cpu::kCols >= 2 * intermediate,
+                "expert weights do not fit hidden size ", hidden, " and intermediate size ", intermediate);
+  }
+  TORCH_CHECK(w13_onednn.empty() || static_cast<int64_t>(w13_onednn.size()) == experts,
+              "one oneDNN weight per expert");
+  const ExpertWeightsView gate_up{w13, &w13_onednn, onednn_min_rows}, down{w2, &w2_onednn, onednn_min_rows};
+  return grouped_experts(x, experts, intermediate, topk_weights, topk_ids, expert_map,
+                         [&](int phase, const float* rows, int64_t k, const std::vector<int64_t>& counts, int64_t n,
+                             float* out) { run_products(rows, k, phase == 0 ? gate_up : down, counts, n, out); });
+}
+
+// One projection of every expert in a packed quantized format: data [E, N, row bytes], scales [E, N] (int8) or none.
+struct QuantExpertsView {
+  torch::Tensor data;
+  c10::optional<torch::Tensor> scales;
+  int format, variant;
+  int64_t dequant_min_rows;  // products of this many rows or more: the weight de-quantized into panels, then the GEMM
+
+  QuantExpertsView(torch::Tensor data_, c10::optional<torch::Tensor> scales_, int64_t k, int64_t format_,
+                   int64_t variant_, int64_t dequant_min_rows_)
+      : data(std::move(data_)), scales(std::move(scales_)), format(static_cast<int>(format_)),
+        variant(static_cast<int>(variant_)), dequant_min_rows(dequant_min_rows_) {
+    TORCH_CHECK(data.dim() == 3 && data.is_contiguous(), "quantized experts: contiguous [E, N, row bytes]");
+    engine_quant::check_weight(data[0], scales.has_value() ? c10::optional<torch::Tensor>((*scales)[0]) : c10::nullopt,
+                               format, k);
+    TORCH_CHECK(!scales.has_value() || (scales->dim() == 2 && scales->size(0) == data.size(0)),
+                "quantized experts' scales: [E, N]");
+    TORCH_CHECK(engine_quant::cpu_has(variant), "this CPU lacks the instructions of variant ", variant);
+  }
+  c10::optional<torch::Tensor> scales_of(int64_t e) const {
+    return scales.has_value() ? c10::optional<torch::Tensor>((*scales)[e]) : c10::nullopt;
+  }
+};
+
+// Every expert's product of one phase on quantized weights. Experts with fewer than dequant_min_rows rows: their rows
+// quantized per block of 32, then integer block dot products, all those experts in one pass of the spin pool over
+// (expert, 4-column tile) items (one wake-up per phase in a decode step); the others: the weight de-quantized into
+// the AVX2 GEMM's panels, then the float32 GEMM (prompt-sized products).
+void run_quant_products(const float* x, int64_t k, const QuantExpertsView& w, const std::vector<int64_t>& counts,
+                        int64_t n, float* out) {
+  using engine_quant::kBlock;
+  const int64_t experts = static_cast<int64_t>(counts.size()) - 1, rows = counts[experts];
+  const int64_t nb = (k + kBlock - 1) / kBlock, row_bytes = w.data.size(2), tiles = (n + 3) / 4;
+  TORCH_CHECK(w.data.size(1) == n, "quantized experts hold ", w.data.size(1), " rows, the product needs ", n);
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xsum;
+  std::vector<int64_t> dot, item_start{0};
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t r0 = counts[e], m = counts[e + 1] - r0;
+    if (m == 0) continue;
+    if (m >= w.dequant_min_rows) {
+      auto options = torch::TensorOptions().dtype(at::kFloat);
+      torch::Tensor panels = at::empty({(n + engine_cpu::kCols - 1) / engine_cpu::kCols, k, engine_cpu::kCols}, options);
+      engine_quant::dequantize_panels(panels, w.data[e], w.scales_of(e), w.format);
+      torch::Tensor result = torch::from_blob(out + r0 * n, {m, n}, options);
+      engine_cpu::linear(result, torch::from_blob(const_cast<float*>(x + r0 * k), {m, k}, options), panels,
+                         c10::nullopt);
+      continue;
+    }
+    if (xq.empty()) {
+      xq.resize(rows * nb * kBlock);
+      xd.resize(rows * nb);
+      xsum.resize(rows * nb);
+    }
+    engine_quant::quantize_rows(x + r0 * k, m, k, nb, xq.data() + r0 * nb * kBlock, xd.data() + r0 * nb,
+                                xsum.data() + r0 * nb);
+    dot.push_back(e);
+    item_start.push_back(item_start.back() + tiles);
+  }
+  if (dot.empty()) return;
+  const uint8_t* data = static_cast<const uint8_t*>(w.data.data_ptr());
+  const float* scales = w.scales.has_value() ? w.scales->data_ptr<float>() : nullptr;
+  engine_pool::parallel_range(item_start.back(), 16, [&](int64_t i0, int64_t i1) {
+    while (i0 < i1) {  // a run of one expert's tiles [t0, t1)
+      const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), i0) - item_start.begin() - 1;
+      const int64_t t0 = i0 - item_start[s], t1 = std::min(i1, item_start[s + 1]) - item_start[s];
+      const int64_t e = dot[s], r0 = counts[e], m = counts[e + 1] - r0;
+      engine_quant::QuantArgs q{w.format, data + e * n * row_bytes, row_bytes, nb,
+                                scales ? scales + e * n : nullptr, xq.data() + r0 * nb * kBlock, xd.data() + r0 * nb,
+                                xsum.data() + r0 * nb, m, nb * kBlock, out + r0 * n, n};
+      const int64_t c0 = t0 * 4, c1 = std::min(n, t1 * 4);
+      if (w.variant == engine_quant::kAvx512Vnni) engine_quant::avx512vnni::run_columns(q, c0, c1);
+      else if (w.variant == engine_quant::kAvx2) engine_quant::avx2::run_columns(q, c0, c1);
+      else engine_quant::scalar::run_columns(q, c0, c1);
+      i0 += t1 - t0;
+    }
+  });
+}
+
+// The fused-MoE operation on quantized experts: w13 [E, 2I, row bytes of H] and w2 [E, H, row bytes of I] in one
+// format (engine.model.quant_formats; scales [E, rows] for int8), the integer-dot kernel `variant` for products of
+// fewer than dequant_min_rows rows.
+torch::Tensor fused_quant_experts(torch::Tensor x, torch::Tensor w13, c10::optional<torch::Tensor> w13_scales,
+                                  torch::Tensor w2, c10::optional<torch::Tensor> w2_scales, int64_t format,
+                                  int64_t variant, int64_t dequant_min_rows, torch::Tensor topk_weights,
+                                  torch::Tensor topk_ids, c10::optional<torch::Tensor> expert_map,
+                                  int64_t intermediate) {
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0), "w13 and w2: [E, rows, row bytes]");
+  TORCH_CHECK(w13.size(1) == 2 * intermediate && w2.size(1) == hidden, "expert weights do not fit hidden size ",
+              hidden, " and intermediate size ", intermediate);
+#ifndef ENGINE_AVX2
+  TORCH_CHECK(dequant_min_rows >= (int64_t{1} << 62), "the de-quantized GEMM path needs AVX2");
+#endif
+  const QuantExpertsView gate_up(w13, w13_scales, hidden, format, variant, dequant_min_rows);
+  const QuantExpertsView down(w2, w2_scales, intermediate, format, variant, dequant_min_rows);
+  return grouped_experts(x, w13.size(0), intermediate, topk_weights, topk_ids, expert_map,
+                         [&](int phase, const float* rows, int64_t k, const std::vector<int64_t>& counts, int64_t n,
+                             float* out) { run_quant_products(rows, k, phase == 0 ? gate_up : down, counts, n, out); });
+}
+
 }  // namespace engine_moe
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -210,4 +332,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("w13_onednn"), py::arg("w2_onednn"),
         py::arg("onednn_min_rows"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("expert_map"),
         py::arg("intermediate"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("fused_quant_experts", &engine_moe::fused_quant_experts,
+        "the routed experts' weighted output [T, H] on experts packed in a quantized format (integer-dot kernels for "
+        "small products, the weight de-quantized into the GEMM's panels for large ones)",
+        py::arg("x"), py::arg("w13"), py::arg("w13_scales"), py::arg("w2"), py::arg("w2_scales"), py::arg("format"),
+        py::arg("variant"), py::arg("dequant_min_rows"), py::arg("topk_weights"), py::arg("topk_ids"),
+        py::arg("expert_map"), py::arg("intermediate"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }
