@@ -260,12 +260,14 @@ void run_quant_products(const float* x, int64_t k, const QuantExpertsView& w, co
   std::vector<int8_t> xq;
   std::vector<float> xd, xsum;
   std::vector<int64_t> dot, item_start{0};
+  torch::Tensor panels;  // one expert's weight de-quantized, reused by every expert of the phase
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t r0 = counts[e], m = counts[e + 1] - r0;
     if (m == 0) continue;
     if (m >= w.dequant_min_rows) {
       auto options = torch::TensorOptions().dtype(at::kFloat);
-      torch::Tensor panels = at::empty({(n + engine_cpu::kCols - 1) / engine_cpu::kCols, k, engine_cpu::kCols}, options);
+      if (!panels.defined())
+        panels = at::empty({(n + engine_cpu::kCols - 1) / engine_cpu::kCols, k, engine_cpu::kCols}, options);
       engine_quant::dequantize_panels(panels, w.data[e], w.scales_of(e), w.format);
       torch::Tensor result = torch::from_blob(out + r0 * n, {m, n}, options);
       engine_cpu::linear(result, torch::from_blob(const_cast<float*>(x + r0 * k), {m, k}, options), panels,
