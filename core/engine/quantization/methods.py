@@ -75,6 +75,8 @@ class GGUFQuantization(QuantizationMethod):
         return frozenset(GGUF_TYPES.values())
 
     def process_weights_after_loading(self, model):
+        for layer in moe_layers(model):
+            layer.finish_quantized_experts()
         for module in model.modules():
             if "_quant_shards" in module.__dict__:
                 finish_quantized_weight(module)

@@ -94,3 +94,75 @@ def random_prompts(
         length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=gen))
         out.append(torch.randint(vocab[0], vocab[1], (length,), generator=gen).tolist())
     return out
+
+
+def write_qwen3_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
+    """Write a transformers Qwen3-MoE as a ``qwen3moe`` GGUF file, as llama.cpp's converter lays it out: experts as one
+    3-D tensor per projection packed in ``expert_format`` (``q8_0``, ``q4_0``, ``q4_1``: llama.cpp's blocks, from
+    :func:`~engine.model.quant_formats.quantize`), every other tensor float32 (the routers stay float, as llama.cpp's
+    quantizer leaves them); a tied LM head is left out. No tokenizer: load it with ``tokenizer=``."""
+    import gguf
+    import numpy as np
+
+    from engine.model.quant_formats import quantize
+
+    config = hf_model.config
+    arch = "qwen3moe"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    writer.add_vocab_size(config.vocab_size)
+    packed_type = gguf.GGMLQuantizationType[expert_format.upper()]
+    layer_names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "mlp.gate": "ffn_gate_inp",
+    }
+    state = hf_model.state_dict()
+    for name, tensor in state.items():
+        values = tensor.detach().float()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if not name.startswith("model.layers."):
+            glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+            writer.add_tensor(glob.get(name, "output.weight"), values.numpy())
+            continue
+        _, _, index, rest = name.split(".", 3)
+        if rest.startswith("mlp.experts."):
+            experts = values  # gate_up_proj [E, 2I, H] (gate rows, then up rows) or down_proj [E, H, I]
+            parts = (
+                {"ffn_gate_exps": experts.chunk(2, dim=1)[0], "ffn_up_exps": experts.chunk(2, dim=1)[1]}
+                if rest.endswith("gate_up_proj")
+                else {"ffn_down_exps": experts}
+            )
+            for gguf_name, stacked in parts.items():
+                blocks = np.stack([quantize(matrix, expert_format).data.numpy() for matrix in stacked])
+                writer.add_tensor(f"blk.{index}.{gguf_name}.weight", blocks, raw_dtype=packed_type)
+            continue
+        module, _, suffix = rest.rpartition(".")
+        writer.add_tensor(f"blk.{index}.{layer_names[module]}.{suffix}", values.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

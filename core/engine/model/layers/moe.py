@@ -20,7 +20,7 @@ from engine.distributed.parallel_state import get_ep_group, get_tp_group
 from engine.interfaces.layer_kernels import ExpertsProduct, MoERouting
 from engine.model.layers.kernels import current_layer_kernels
 from engine.model.layers.linear import even_partition
-from engine.model.quant_formats import QuantizedExperts
+from engine.model.quant_formats import QuantizedExperts, QuantizedWeight, cat_rows, dequantize
 
 # checkpoint projection -> the stacked parameter's prefix (vLLM's w1 = gate, w3 = up, w2 = down)
 EXPERT_SHARDS = {"w1": "w13_", "w3": "w13_", "w2": "w2_"}
@@ -118,6 +118,9 @@ class FusedMoE(nn.Module):
         ``expert_id`` None, ``loaded`` stacks every expert (the fused ``experts.gate_up_proj`` / ``down_proj``
         layout, shard ``w13`` or ``w2``). An expert another rank holds is skipped."""
         size, start = self.intermediate_per_rank, self.shard_rank * self.intermediate_per_rank
+        if isinstance(loaded, QuantizedWeight):
+            self._keep_quantized_shard(loaded, shard_id, expert_id)
+            return
         if expert_id is None:
             experts = loaded.narrow(0, self.first_expert, self.num_local_experts)
             if shard_id == "w13":
@@ -137,6 +140,45 @@ class FusedMoE(nn.Module):
         self._check_shape(loaded, (size * self.num_shards, param.shape[2]), expert_id)
         offset = 0 if shard_id == "w1" else size
         param.data[local, offset : offset + size].copy_(loaded.narrow(0, start, size))
+
+    def _keep_quantized_shard(self, loaded: QuantizedWeight, shard_id: str, expert_id: Optional[int]) -> None:
+        """Keep one expert's packed projection (a GGUF file's blocks), this rank's rows (gate, up) or whole blocks of
+        columns (down), until ``finish_quantized_experts`` stacks them."""
+        if expert_id is None:
+            raise ValueError("packed experts load expert by expert, not as one stacked tensor")
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        size, start = self.intermediate_per_rank, self.shard_rank * self.intermediate_per_rank
+        full = size * self.num_shards
+        hidden = self.w2_weight.shape[1]
+        expected = (hidden, full) if shard_id == "w2" else (full, self.w13_weight.shape[2])
+        if loaded.shape != expected:
+            raise ValueError(f"expert {expert_id}: checkpoint tensor of shape {loaded.shape} does not fit {expected}")
+        shard = loaded.narrow(1 if shard_id == "w2" else 0, start, size)
+        self.__dict__.setdefault("_quant_shards", {})[(local, shard_id)] = shard
+
+    def finish_quantized_experts(self) -> None:
+        """Stack the packed expert shards this layer received into its quantized experts (``set_quantized_experts``);
+        experts that came in mixed formats, or partly in float, are de-quantized into the float weights instead."""
+        shards: dict = self.__dict__.pop("_quant_shards", None) or {}
+        if not shards:
+            return
+        experts = range(self.num_local_experts)
+        complete = len(shards) == 3 * self.num_local_experts and len({s.format for s in shards.values()}) == 1
+        if complete:
+            self.set_quantized_experts(
+                QuantizedExperts.stack([cat_rows([shards[(e, "w1")], shards[(e, "w3")]]) for e in experts]),
+                QuantizedExperts.stack([shards[(e, "w2")] for e in experts]),
+            )
+            return
+        size = self.intermediate_per_rank
+        for (local, shard_id), shard in shards.items():
+            if shard_id == "w2":
+                self.w2_weight.data[local].copy_(dequantize(shard))
+            else:
+                offset = 0 if shard_id == "w1" else size
+                self.w13_weight.data[local, offset : offset + size].copy_(dequantize(shard))
 
     @staticmethod
     def _check_shape(loaded: torch.Tensor, expected: tuple[int, int], expert_id: int) -> None:
