@@ -315,24 +315,24 @@ def test_deepseek_moe_block_matches_transformers(version, overrides, kernels_nam
     assert int(block.experts.expert_load.sum()) == 11 * config.num_experts_per_tok
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_a_gguf_qwen3_moe_keeps_its_experts_packed_and_matches_transformers(
-    make_tiny_model, tokenizer_dir, tmp_path, fmt
+@pytest.mark.parametrize("name,fmt", [("qwen3-moe", "q8_0"), ("qwen3-moe", "q4_0"), ("mixtral", "q8_0")])
+def test_a_gguf_moe_keeps_its_experts_packed_and_matches_transformers(
+    make_tiny_model, tokenizer_dir, tmp_path, name, fmt
 ):
-    """A ``qwen3moe`` GGUF file (experts as 3-D Q8_0 / Q4_0 tensors, as llama.cpp stores them): loaded in float it
-    equals transformers on the same de-quantized experts; with ``quantization="gguf"`` the experts stay packed (no
-    float copy) and the native kernels give the same tokens, the cpu kernels (activations rounded to int8 per block)
-    agree within top-5 where they part."""
+    """A ``qwen3moe`` GGUF file, or Mixtral's (``llama`` with experts, q/k rows permuted), with experts as 3-D Q8_0 /
+    Q4_0 tensors as llama.cpp stores them: loaded in float it equals transformers on the same de-quantized experts;
+    with ``quantization="gguf"`` the experts stay packed (no float copy) and the native kernels give the same tokens,
+    the cpu kernels (activations rounded to int8 per block) agree within top-5 where they part."""
     from engine.model.layers.moe import moe_layers
     from engine.model.quant_formats import QuantizedExperts, dequantize, quantize
-    from engine.testing.models import write_qwen3_moe_gguf
+    from engine.testing.models import write_moe_gguf
 
-    config_cls, overrides = FAMILIES["qwen3-moe"]
+    config_cls, overrides = FAMILIES[name]
     hf_model = AutoModelForCausalLM.from_pretrained(make_tiny_model(config_cls, **overrides), dtype=torch.float32)
-    path = tmp_path / f"qwen3moe-{fmt}.gguf"
-    write_qwen3_moe_gguf(hf_model, path, fmt)
-    for name, param in hf_model.named_parameters():  # the reference: experts as the file holds them
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+    path = tmp_path / f"{name}-{fmt}.gguf"
+    write_moe_gguf(hf_model, path, fmt)
+    for param_name, param in hf_model.named_parameters():  # the reference: experts as the file holds them
+        if param_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             for matrix in param.data:
                 matrix.copy_(dequantize(quantize(matrix, fmt)))
     reference = hf_greedy(hf_model.eval(), PROMPTS, MAX_TOKENS)
@@ -348,7 +348,8 @@ def test_a_gguf_qwen3_moe_keeps_its_experts_packed_and_matches_transformers(
 
     llm = LLM(str(path), tokenizer=tokenizer_dir, dtype="float32", quantization="gguf")
     layers = moe_layers(inspect(llm).model)
-    assert [m.layer_index for m in layers] == [1, 3]  # the file's dense layers stay dense
+    sparse = [1, 3] if name == "qwen3-moe" else list(range(hf_model.config.num_hidden_layers))
+    assert [m.layer_index for m in layers] == sparse  # the file's dense layers stay dense
     for layer in layers:
         assert isinstance(layer.quant_w13, QuantizedExperts) and layer.quant_w13.format == fmt
         assert layer.w13_weight.numel() == 0 and layer.w2_weight.numel() == 0
@@ -363,4 +364,35 @@ def test_a_gguf_qwen3_moe_keeps_its_experts_packed_and_matches_transformers(
         if parted is not None:
             assert want[parted] in out.outputs[0].logprobs[parted], parted
     assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_packed_gguf_experts_split_over_two_ranks(make_tiny_model, tokenizer_dir, tmp_path, expert_parallel):
+    """Mixtral's Q8_0 experts from a GGUF file stay packed on each of 2 ranks: TP=2 gives each rank its rows of gate
+    and up and whole blocks of down's columns, EP=2 two whole experts each; both give transformers' tokens on the
+    same de-quantized experts (native kernels: products on the de-quantized weights)."""
+    from engine.model.quant_formats import dequantize, quantize
+    from engine.testing.models import write_moe_gguf
+
+    config_cls, overrides = FAMILIES["mixtral"]
+    hf_model = AutoModelForCausalLM.from_pretrained(make_tiny_model(config_cls, **overrides), dtype=torch.float32)
+    path = tmp_path / "mixtral-q8_0.gguf"
+    write_moe_gguf(hf_model, path, "q8_0")
+    for param_name, param in hf_model.named_parameters():
+        if param_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            for matrix in param.data:
+                matrix.copy_(dequantize(quantize(matrix, "q8_0")))
+    prompts = PROMPTS[:3]
+    tokens, llm = engine_greedy(
+        str(path),
+        prompts,
+        MAX_TOKENS,
+        tokenizer=tokenizer_dir,
+        quantization="gguf",
+        layer_kernels="native",
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    assert tokens == hf_greedy(hf_model.eval(), prompts, MAX_TOKENS)
     llm.shutdown()

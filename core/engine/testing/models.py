@@ -96,18 +96,20 @@ def random_prompts(
     return out
 
 
-def write_qwen3_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
-    """Write a transformers Qwen3-MoE as a ``qwen3moe`` GGUF file, as llama.cpp's converter lays it out: experts as one
-    3-D tensor per projection packed in ``expert_format`` (``q8_0``, ``q4_0``, ``q4_1``: llama.cpp's blocks, from
-    :func:`~engine.model.quant_formats.quantize`), every other tensor float32 (the routers stay float, as llama.cpp's
-    quantizer leaves them); a tied LM head is left out. No tokenizer: load it with ``tokenizer=``."""
+def write_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
+    """Write a transformers Qwen3-MoE (as ``qwen3moe``) or Mixtral (as ``llama`` with experts, q/k rows permuted) GGUF
+    file, as llama.cpp's converter lays it out: experts as one 3-D tensor per projection packed in ``expert_format``
+    (``q8_0``, ``q4_0``, ``q4_1``: llama.cpp's blocks, from :func:`~engine.model.quant_formats.quantize`), every other
+    tensor float32 (the routers stay float, as llama.cpp's quantizer leaves them); a tied LM head is left out. No
+    tokenizer: load it with ``tokenizer=``."""
     import gguf
     import numpy as np
 
     from engine.model.quant_formats import quantize
 
     config = hf_model.config
-    arch = "qwen3moe"
+    mixtral = config.model_type == "mixtral"
+    arch = "llama" if mixtral else "qwen3moe"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -115,14 +117,17 @@ def write_qwen3_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_experts)
+    writer.add_expert_count(config.num_local_experts if mixtral else config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    if not mixtral:
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(bool(config.norm_topk_prob))
     writer.add_vocab_size(config.vocab_size)
     packed_type = gguf.GGMLQuantizationType[expert_format.upper()]
     layer_names = {
@@ -161,6 +166,9 @@ def write_qwen3_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None
                 writer.add_tensor(f"blk.{index}.{gguf_name}.weight", blocks, raw_dtype=packed_type)
             continue
         module, _, suffix = rest.rpartition(".")
+        if mixtral and module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's rotary interleave
+            heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+            values = values.reshape(heads, 2, values.shape[0] // heads // 2, -1).transpose(1, 2).reshape(values.shape)
         writer.add_tensor(f"blk.{index}.{layer_names[module]}.{suffix}", values.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
