@@ -183,3 +183,23 @@ def oracle_spec_config(folder, reference: dict, k: int = 4, corrupt_every: int =
         "num_speculative_tokens": k,
         "options": {"reference": str(path), "corrupt_every": corrupt_every},
     }
+
+
+def int8_rounded(hf_model, keep: tuple[str, ...] = ()):
+    """A copy of ``hf_model`` whose weights that int8 quantization packs (every projection, the experts, the LM head;
+    not the routers nor the embeddings, nor the weights whose names end with one of ``keep``) are replaced by their int8
+    rounding, row by row (each expert's rows apart)."""
+    import copy
+
+    from engine.model.quant_formats import dequantize, quantize
+
+    rounded = copy.deepcopy(hf_model)
+    head = rounded.get_output_embeddings().weight  # tied to the embedding: the engine rounds the one table
+    for name, param in rounded.named_parameters():
+        if name.endswith(keep) and keep:
+            continue
+        if name.endswith(("_proj.weight", "_mqa.weight", "experts.gate_up_proj", "experts.down_proj")) or param is head:
+            matrices = param.data if param.dim() == 3 else param.data[None]
+            for matrix in matrices:
+                matrix.copy_(dequantize(quantize(matrix, "int8")))
+    return rounded

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, int8_rounded, random_prompts
 
 MAX_TOKENS = 12
 PROMPTS = random_prompts(4, (6, 44), seed=31)
@@ -189,4 +189,20 @@ def test_mla_in_bfloat16_stays_close_to_float32(family):
     first = [o.outputs[0].token_ids[0] for o in outputs]
     assert sum(a == r[0] for a, r in zip(first, reference)) >= len(PROMPTS) - 1, (name, first)
     assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_int8_deepseek_matches_transformers_on_the_rounded_weights(family):
+    """Weight-only int8 on DeepSeek: every projection (MLA's down projections included) and the routed and shared
+    experts packed, the router and ``kv_b_proj`` (whose halves the absorbed decode folds into the query and the
+    output) left float; with the native kernels greedy decoding equals transformers on the same int8-rounded weights."""
+    from engine.model.layers.moe import moe_layers
+
+    name, model_dir, hf_model, _ = family
+    reference = hf_greedy(int8_rounded(hf_model, keep=("kv_b_proj.weight",)), PROMPTS, MAX_TOKENS)
+    tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, quantization="int8", layer_kernels="native")
+    assert tokens == reference, name
+    model = inspect(llm).model
+    assert all(layer.quant_w13 is not None for layer in moe_layers(model))
+    assert getattr(model.model.layers[1].self_attn.kv_a_proj_with_mqa, "quant_weight", None) is not None
     llm.shutdown()

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, int8_rounded, random_prompts
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(5, (6, 50), seed=31)
@@ -168,23 +168,6 @@ def test_expert_load_counts_every_routed_token(family):
     llm.shutdown()
 
 
-def _int8_rounded(hf_model):
-    """A copy of ``hf_model`` whose weights that int8 quantization packs (every projection, the experts, the LM head;
-    not the routers nor the embeddings) are replaced by their int8 rounding, row by row (each expert's rows apart)."""
-    import copy
-
-    from engine.model.quant_formats import dequantize, quantize
-
-    rounded = copy.deepcopy(hf_model)
-    head = rounded.get_output_embeddings().weight  # tied to the embedding: the engine rounds the one table
-    for name, param in rounded.named_parameters():
-        if name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) or param is head:
-            matrices = param.data if param.dim() == 3 else param.data[None]
-            for matrix in matrices:
-                matrix.copy_(dequantize(quantize(matrix, "int8")))
-    return rounded
-
-
 def test_int8_packs_the_experts_and_matches_transformers_on_the_rounded_weights(family, caplog):
     """Weight-only int8 quantizes the routed experts as it quantizes every linear layer (routers stay float, so a
     token's experts do not move with the rounding); the float experts are released. With the native kernels (products
@@ -194,7 +177,7 @@ def test_int8_packs_the_experts_and_matches_transformers_on_the_rounded_weights(
     from engine.model.quant_formats import QuantizedExperts
 
     name, model_dir, hf_model, _ = family
-    reference = hf_greedy(_int8_rounded(hf_model), PROMPTS, MAX_TOKENS)
+    reference = hf_greedy(int8_rounded(hf_model), PROMPTS, MAX_TOKENS)
     tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, quantization="int8", layer_kernels="native")
     assert tokens == reference, name
     llm.shutdown()

@@ -60,12 +60,14 @@ class DeepseekV2MLAAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, keep_float=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, [self.total_num_heads * qk_head_dim])
         else:
             self.q_proj = ColumnParallelLinear(hidden, [self.total_num_heads * qk_head_dim])
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, self.kv_lora_rank + self.rope_dim, bias=bias, keep_float=False
+        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentExpansion(self.kv_lora_rank, [self.total_num_heads * (self.nope_dim + self.v_head_dim)])
         self.num_heads = self.total_num_heads // self.kv_b_proj.tp_size

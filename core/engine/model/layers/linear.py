@@ -167,16 +167,21 @@ class RowParallelLinear(nn.Module):
 
 
 class ReplicatedLinear(nn.Module):
-    """y = xW^T + b with the whole weight on every rank (an MoE router, a shared expert's gate); ``params_dtype``
-    keeps it in another dtype than the model's (DeepSeek-V3 routes in float32), computed in that dtype. Weight-only
-    quantization leaves it in float (``keep_float``), as vLLM leaves its routers."""
-
-    keep_float = True
+    """y = xW^T + b with the whole weight on every rank (an MoE router, a shared expert's gate, MLA's down
+    projections); ``params_dtype`` keeps it in another dtype than the model's (DeepSeek-V3 routes in float32), computed
+    in that dtype. Weight-only quantization leaves it in float where ``keep_float`` (the default: routers, as vLLM
+    leaves them, so a token's experts do not move with the rounding)."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, params_dtype: Optional[torch.dtype] = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        keep_float: bool = True,
     ):
         super().__init__()
+        self.keep_float = keep_float
         self.params_dtype = params_dtype
         self.weight = _param((output_size, input_size), default_weight_loader)
         self.bias = _param((output_size,), default_weight_loader) if bias else None
