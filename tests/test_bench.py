@@ -605,3 +605,32 @@ def alive_of(processes) -> list:
     from tests.helpers import alive
 
     return alive(processes)
+
+
+def test_peers_run_in_their_own_default_environment(monkeypatch, tmp_path):
+    """A peer never inherits the engine's tuning: ``import engine`` sets OMP_WAIT_POLICY=PASSIVE (and a user may set
+    thread counts or ENGINE_* variables for the engine); the peer's process sees none of them, the vLLM server peer is
+    launched the same way, and the JSON says what each side had."""
+    import json
+    import sys
+
+    from engine_bench.peers import run_watched
+    from engine_bench.serve_compare import vllm_server
+    from engine_bench.stats import environment
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("ENGINE_MODEL__DTYPE", "float32")
+    monkeypatch.setenv("HOME_MARKER", "kept")
+    names = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "ENGINE_MODEL__DTYPE", "HOME_MARKER")
+    probe = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
+    lines, _ = run_watched([sys.executable, "-c", probe])
+    assert json.loads(lines[-1]) == {
+        "OMP_WAIT_POLICY": None,
+        "OMP_NUM_THREADS": None,
+        "ENGINE_MODEL__DTYPE": None,
+        "HOME_MARKER": "kept",
+    }
+    assert vllm_server(sys.executable, str(tmp_path), "float32").is_peer
+    variables = environment()["variables"]
+    assert variables["engine"]["OMP_WAIT_POLICY"] == "PASSIVE" and variables["peer"]["OMP_WAIT_POLICY"] == "unset"

@@ -42,14 +42,48 @@ def _reap(processes: dict, grace_s: float = 60) -> None:
         proc.kill()
 
 
+# settings of the engine's own process that a peer must not inherit: the OpenMP wait policy ``import engine`` sets,
+# thread counts and affinity, and the engine's configuration variables
+ENGINE_ONLY_VARIABLES = (
+    "OMP_WAIT_POLICY",
+    "OMP_NUM_THREADS",
+    "OMP_PROC_BIND",
+    "OMP_PLACES",
+    "GOMP_SPINCOUNT",
+    "KMP_AFFINITY",
+    "KMP_BLOCKTIME",
+    "MKL_NUM_THREADS",
+)
+
+
+def peer_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment a peer runs in: this process's, without what tunes the engine (``ENGINE_ONLY_VARIABLES`` and
+    every ``ENGINE_*`` variable), so each peer runs with its own defaults."""
+    env = dict(os.environ if base is None else base)
+    for name in list(env):
+        if name in ENGINE_ONLY_VARIABLES or name.startswith("ENGINE_"):
+            del env[name]
+    return env
+
+
+def environments_report() -> dict[str, dict[str, str]]:
+    """What the engine and its peers ran with, for the JSON: each engine-only variable's value ("unset" if none)."""
+    peer = peer_environment()
+    return {
+        side: {name: env.get(name, "unset") for name in ENGINE_ONLY_VARIABLES}
+        for side, env in (("engine", dict(os.environ)), ("peer", peer))
+    }
+
+
 def run_watched(
     command: list[str], cwd: Optional[str] = None, timeout_s: float = 3600, poll_s: float = 0.5
 ) -> tuple[list[str], int]:
-    """Run a peer's command to its end: the JSON lines it printed (those starting with '{') and the peak resident
-    bytes of its process tree; a failure or a run past ``timeout_s`` raises with the end of its stderr."""
+    """Run a peer's command to its end, in its own default environment (``peer_environment``): the JSON lines it
+    printed (those starting with '{') and the peak resident bytes of its process tree; a failure or a run past
+    ``timeout_s`` raises with the end of its stderr."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, text=True, env=peer_environment())
         peak, seen = 0, dict[int, object]()
         while proc.poll() is None:
             peak = max(peak, _tree_rss_bytes(proc.pid, seen))

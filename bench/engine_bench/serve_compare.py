@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from engine_bench.peers import peer_environment
 from engine_bench.serve import run_serve_bench
 from engine_bench.workloads import BenchRequest
 
@@ -25,12 +26,14 @@ METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 @dataclass
 class ServerLaunch:
-    """How to start one server: its command (the port is appended) and extra environment."""
+    """How to start one server: its command (the port is appended) and extra environment; a peer (``is_peer``) starts
+    from its own default environment, without the engine's settings (``peers.peer_environment``)."""
 
     label: str
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     port_flag: str = "--port"
+    is_peer: bool = False
 
 
 def free_port() -> int:
@@ -71,6 +74,7 @@ def vllm_server(python: str, model_dir: str, dtype: str) -> ServerLaunch:
             "127.0.0.1",
         ],
         {"VLLM_CPU_KVCACHE_SPACE": "4"},
+        is_peer=True,
     )
 
 
@@ -86,7 +90,7 @@ def launched(server: ServerLaunch, timeout_s: float = 900) -> Iterator[str]:
         [*server.command, server.port_flag, str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **server.env},
+        env={**(peer_environment() if server.is_peer else os.environ), **server.env},
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"

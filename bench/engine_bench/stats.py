@@ -31,7 +31,11 @@ def peak_rss_mib() -> float:
 
 
 def environment() -> dict:
+    """The machine, torch, and what the engine and its peers ran with (``variables``: the engine-only settings,
+    which peers do not inherit)."""
     import torch
+
+    from engine_bench.peers import environments_report
 
     return {
         "python": platform.python_version(),
@@ -41,6 +45,7 @@ def environment() -> dict:
         "torch_threads": torch.get_num_threads(),
         "isa": torch.backends.cpu.get_cpu_capability(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "variables": environments_report(),
     }
 
 
