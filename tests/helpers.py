@@ -185,21 +185,23 @@ def oracle_spec_config(folder, reference: dict, k: int = 4, corrupt_every: int =
     }
 
 
-def int8_rounded(hf_model, keep: tuple[str, ...] = ()):
-    """A copy of ``hf_model`` whose weights that int8 quantization packs (every projection, the experts, the LM head;
-    not the routers nor the embeddings, nor the weights whose names end with one of ``keep``) are replaced by their int8
-    rounding, row by row (each expert's rows apart)."""
+def rounded_copy(hf_model, fmt: str = "int8", experts_only: bool = False, keep: tuple[str, ...] = ()):
+    """A copy of ``hf_model`` whose weights a quantization packs are replaced by their rounding to ``fmt``, row by row
+    (each expert's rows apart): every projection, the experts and the LM head (int8's choice; not the routers nor the
+    embeddings, nor the weights whose names end with one of ``keep``), or only the experts (a GGUF file's packed
+    experts)."""
     import copy
 
     from engine.model.quant_formats import dequantize, quantize
 
     rounded = copy.deepcopy(hf_model)
     head = rounded.get_output_embeddings().weight  # tied to the embedding: the engine rounds the one table
+    experts = ("experts.gate_up_proj", "experts.down_proj")
     for name, param in rounded.named_parameters():
-        if name.endswith(keep) and keep:
+        if keep and name.endswith(keep):
             continue
-        if name.endswith(("_proj.weight", "_mqa.weight", "experts.gate_up_proj", "experts.down_proj")) or param is head:
-            matrices = param.data if param.dim() == 3 else param.data[None]
-            for matrix in matrices:
-                matrix.copy_(dequantize(quantize(matrix, "int8")))
+        projection = name.endswith(("_proj.weight", "_mqa.weight")) or param is head
+        if name.endswith(experts) or (projection and not experts_only):
+            for matrix in param.data if param.dim() == 3 else param.data[None]:
+                matrix.copy_(dequantize(quantize(matrix, fmt)))
     return rounded

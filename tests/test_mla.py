@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, int8_rounded, random_prompts
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts, rounded_copy
 
 MAX_TOKENS = 12
 PROMPTS = random_prompts(4, (6, 44), seed=31)
@@ -199,7 +199,7 @@ def test_int8_deepseek_matches_transformers_on_the_rounded_weights(family):
     from engine.model.layers.moe import moe_layers
 
     name, model_dir, hf_model, _ = family
-    reference = hf_greedy(int8_rounded(hf_model, keep=("kv_b_proj.weight",)), PROMPTS, MAX_TOKENS)
+    reference = hf_greedy(rounded_copy(hf_model, keep=("kv_b_proj.weight",)), PROMPTS, MAX_TOKENS)
     tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, quantization="int8", layer_kernels="native")
     assert tokens == reference, name
     model = inspect(llm).model

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, int8_rounded, random_prompts
+from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts, rounded_copy
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(5, (6, 50), seed=31)
@@ -177,7 +177,7 @@ def test_int8_packs_the_experts_and_matches_transformers_on_the_rounded_weights(
     from engine.model.quant_formats import QuantizedExperts
 
     name, model_dir, hf_model, _ = family
-    reference = hf_greedy(int8_rounded(hf_model), PROMPTS, MAX_TOKENS)
+    reference = hf_greedy(rounded_copy(hf_model), PROMPTS, MAX_TOKENS)
     tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, quantization="int8", layer_kernels="native")
     assert tokens == reference, name
     llm.shutdown()
@@ -307,18 +307,14 @@ def test_a_gguf_moe_keeps_its_experts_packed_and_matches_transformers(
     with ``quantization="gguf"`` the experts stay packed (no float copy) and the native kernels give the same tokens,
     the cpu kernels (activations rounded to int8 per block) agree within top-5 where they part."""
     from engine.model.layers.moe import moe_layers
-    from engine.model.quant_formats import QuantizedExperts, dequantize, quantize
+    from engine.model.quant_formats import QuantizedExperts
     from engine.testing.models import write_moe_gguf
 
     config_cls, overrides = FAMILIES[name]
     hf_model = AutoModelForCausalLM.from_pretrained(make_tiny_model(config_cls, **overrides), dtype=torch.float32)
     path = tmp_path / f"{name}-{fmt}.gguf"
     write_moe_gguf(hf_model, path, fmt)
-    for param_name, param in hf_model.named_parameters():  # the reference: experts as the file holds them
-        if param_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            for matrix in param.data:
-                matrix.copy_(dequantize(quantize(matrix, fmt)))
-    reference = hf_greedy(hf_model.eval(), PROMPTS, MAX_TOKENS)
+    reference = hf_greedy(rounded_copy(hf_model, fmt, experts_only=True).eval(), PROMPTS, MAX_TOKENS)
 
     tokens, llm = engine_greedy(str(path), PROMPTS, MAX_TOKENS, tokenizer=tokenizer_dir)
     assert tokens == reference
@@ -355,17 +351,12 @@ def test_packed_gguf_experts_split_over_two_ranks(make_tiny_model, tokenizer_dir
     """Mixtral's Q8_0 experts from a GGUF file stay packed on each of 2 ranks: TP=2 gives each rank its rows of gate
     and up and whole blocks of down's columns, EP=2 two whole experts each; both give transformers' tokens on the
     same de-quantized experts (native kernels: products on the de-quantized weights)."""
-    from engine.model.quant_formats import dequantize, quantize
     from engine.testing.models import write_moe_gguf
 
     config_cls, overrides = FAMILIES["mixtral"]
     hf_model = AutoModelForCausalLM.from_pretrained(make_tiny_model(config_cls, **overrides), dtype=torch.float32)
     path = tmp_path / "mixtral-q8_0.gguf"
     write_moe_gguf(hf_model, path, "q8_0")
-    for param_name, param in hf_model.named_parameters():
-        if param_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            for matrix in param.data:
-                matrix.copy_(dequantize(quantize(matrix, "q8_0")))
     prompts = PROMPTS[:3]
     tokens, llm = engine_greedy(
         str(path),
@@ -377,5 +368,5 @@ def test_packed_gguf_experts_split_over_two_ranks(make_tiny_model, tokenizer_dir
         tensor_parallel_size=2,
         enable_expert_parallel=expert_parallel,
     )
-    assert tokens == hf_greedy(hf_model.eval(), prompts, MAX_TOKENS)
+    assert tokens == hf_greedy(rounded_copy(hf_model, "q8_0", experts_only=True).eval(), prompts, MAX_TOKENS)
     llm.shutdown()

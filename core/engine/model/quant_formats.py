@@ -98,6 +98,11 @@ class QuantizedExperts:
         data = torch.stack([w.data for w in weights]).contiguous()
         return cls(first.format, (len(weights), *first.shape), data, scales)
 
+    def narrow(self, start: int, count: int) -> QuantizedExperts:
+        """Experts ``[start, start + count)`` (the ones an expert-parallel rank holds)."""
+        scales = None if self.scales is None else self.scales[start : start + count]
+        return QuantizedExperts(self.format, (count, *self.shape[1:]), self.data[start : start + count], scales)
+
     def expert(self, index: int) -> QuantizedWeight:
         """Expert ``index``'s weight ``[out_features, in_features]``."""
         scales = None if self.scales is None else self.scales[index]

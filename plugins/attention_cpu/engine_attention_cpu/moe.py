@@ -162,7 +162,6 @@ class CpuQuantizedExperts:
         self._moe = _moe
         self.w13, self.w2 = w13, w2
         self.format_id = FORMAT_IDS[w13.format]
-        self.variant = variant
         self.variant_id = list(variants()).index(variant)
         self.dequant_min_rows = dequant_min_rows
         self.intermediate_size = w2.shape[2]

@@ -117,10 +117,10 @@ class FusedMoE(nn.Module):
         """Copy one expert's projection (``expert_id``) into this rank's slice of the stacked weight; with
         ``expert_id`` None, ``loaded`` stacks every expert (the fused ``experts.gate_up_proj`` / ``down_proj``
         layout, shard ``w13`` or ``w2``). An expert another rank holds is skipped."""
-        size, start = self.intermediate_per_rank, self.shard_rank * self.intermediate_per_rank
         if isinstance(loaded, QuantizedWeight):
             self._keep_quantized_shard(loaded, shard_id, expert_id)
             return
+        size, start = self.intermediate_per_rank, self.shard_rank * self.intermediate_per_rank
         if expert_id is None:
             experts = loaded.narrow(0, self.first_expert, self.num_local_experts)
             if shard_id == "w13":
@@ -151,10 +151,10 @@ class FusedMoE(nn.Module):
             return
         size, start = self.intermediate_per_rank, self.shard_rank * self.intermediate_per_rank
         full = size * self.num_shards
-        hidden = self.w2_weight.shape[1]
-        expected = (hidden, full) if shard_id == "w2" else (full, self.w13_weight.shape[2])
-        if loaded.shape != expected:
-            raise ValueError(f"expert {expert_id}: checkpoint tensor of shape {loaded.shape} does not fit {expected}")
+        if shard_id == "w2":
+            self._check_shape(loaded, (self.w2_weight.shape[1], full), expert_id)
+        else:
+            self._check_shape(loaded, (full, self.w13_weight.shape[2]), expert_id)
         shard = loaded.narrow(1 if shard_id == "w2" else 0, start, size)
         self.__dict__.setdefault("_quant_shards", {})[(local, shard_id)] = shard
 
@@ -181,7 +181,7 @@ class FusedMoE(nn.Module):
                 self.w13_weight.data[local, offset : offset + size].copy_(dequantize(shard))
 
     @staticmethod
-    def _check_shape(loaded: torch.Tensor, expected: tuple[int, int], expert_id: int) -> None:
+    def _check_shape(loaded: torch.Tensor | QuantizedWeight, expected: tuple[int, int], expert_id: int) -> None:
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"expert {expert_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit {expected}"
