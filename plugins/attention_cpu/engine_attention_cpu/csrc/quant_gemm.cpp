@@ -102,15 +102,26 @@ static inline __m256i dot_u8s8(__m256i a, __m256i b) {
 }  // namespace avx2
 #pragma GCC pop_options
 
+#ifdef ENGINE_EMULATE_AVX512
+// The build for tests on CPUs without AVX-512 VNNI (setup.py's *_emulated modules): the AVX-512 instructions come
+// from SIMDe (exact, slow), the AVX2 ones stay native, so the variant's own code runs where CI runs.
+}  // namespace engine_quant
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+namespace engine_quant {
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#endif
 namespace avx512vnni {
 static inline __m256i dot_u8s8(__m256i a, __m256i b) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
 }
 #include "quant_kernel.inc"
 }  // namespace avx512vnni
+#ifndef ENGINE_EMULATE_AVX512
 #pragma GCC pop_options
+#endif
 
 bool cpu_has(int variant) {
   __builtin_cpu_init();
@@ -118,6 +129,9 @@ bool cpu_has(int variant) {
     case kScalar: return true;
     case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvx512Vnni:
+#ifdef ENGINE_EMULATE_AVX512
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");  // only the VNNI dot is emulated
+#endif
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vnni");
