@@ -634,3 +634,30 @@ def test_peers_run_in_their_own_default_environment(monkeypatch, tmp_path):
     assert vllm_server(sys.executable, str(tmp_path), "float32").is_peer
     variables = environment()["variables"]
     assert variables["engine"]["OMP_WAIT_POLICY"] == "PASSIVE" and variables["peer"]["OMP_WAIT_POLICY"] == "unset"
+
+
+def test_decode_bandwidth_bound_counts_what_a_token_reads(smollm2_gguf, tiny_llama):
+    """The bytes a decode token reads: a GGUF file kept packed reads exactly the blocks llama.cpp reads from the same
+    file (fused QKV and gate/up, the tied Q8_0 embedding as the LM head); float weights read 4 bytes each. The
+    bandwidth is measured, and the share is the decode rate over ``bandwidth / bytes``."""
+    from engine import LLM
+    from engine.model.layers.linear import linear_layers
+    from engine.testing import inspect
+    from engine_bench.bandwidth import decode_shares, gguf_bytes_per_token, measure_bandwidth, model_bytes_per_token
+
+    llm = LLM(smollm2_gguf, quantization="gguf", kv_cache_memory="64MiB", max_model_len=256)
+    try:
+        assert model_bytes_per_token(inspect(llm).model) == gguf_bytes_per_token(smollm2_gguf)
+    finally:
+        llm.shutdown()
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory="16MiB", max_model_len=128)
+    try:
+        model = inspect(llm).model
+        weights = sum(layer.weight.numel() for layer in linear_layers(model)) + model.lm_head.weight.numel()
+        assert model_bytes_per_token(model) == 4 * weights
+    finally:
+        llm.shutdown()
+    bandwidth = measure_bandwidth(array_bytes=16 * 2**20, passes=2)
+    assert bandwidth["read_gb_s"] > 0 and bandwidth["triad_gb_s"] > 0 and bandwidth["threads"] >= 1
+    shares = decode_shares(50.0, 10**8, {"read_gb_s": 20.0})
+    assert shares == {"bytes_per_token": 10**8, "bandwidth_bound_tok_s": 200.0, "share_of_bandwidth": 0.25}

@@ -316,7 +316,7 @@ def test_a_gguf_moe_keeps_its_experts_packed_and_matches_transformers(
     write_moe_gguf(hf_model, path, fmt)
     reference = hf_greedy(rounded_copy(hf_model, fmt, experts_only=True).eval(), PROMPTS, MAX_TOKENS)
 
-    tokens, llm = engine_greedy(str(path), PROMPTS, MAX_TOKENS, tokenizer=tokenizer_dir)
+    tokens, llm = engine_greedy(str(path), PROMPTS, MAX_TOKENS, tokenizer=tokenizer_dir, quantization="none")
     assert tokens == reference
     llm.shutdown()
     tokens, llm = engine_greedy(

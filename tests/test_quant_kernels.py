@@ -161,7 +161,10 @@ def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantized_gemm_and_cpp_dequantize_equal_the_reference(fmt):
-    from engine_attention_cpu.gemm import cpu_gemm_available
+    """The product that de-quantizes the weight a panel at a time under the GEMM's tile is the float32 GEMM on the
+    de-quantized weight bit for bit: ragged last panels, several k chunks, rows past a row block, int8 widths that are
+    not whole blocks, bias."""
+    from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
     from engine_attention_cpu.quant import DequantizedGemmProduct
     from engine_attention_cpu.quant import dequantize as cpp_dequantize
 
@@ -170,9 +173,13 @@ def test_dequantized_gemm_and_cpp_dequantize_equal_the_reference(fmt):
     assert torch.equal(cpp_dequantize(weight), dequantize(weight))
     if not cpu_gemm_available():
         pytest.skip("the AVX2 GEMM is not built")
-    x, bias = torch.randn(13, k), torch.randn(37)
-    out = DequantizedGemmProduct(weight, bias)(x)
-    assert torch.allclose(out, x @ dequantize(weight).T + bias, rtol=1e-5, atol=1e-5)
+    shapes = [(37, k, 13), (64, 1536, 100), (33, 1216, 5)] + ([(20, 1200, 7), (9, 24, 3)] if fmt == "int8" else [])
+    for cols, width, rows in shapes:
+        weight = quantize(_weight(cols, width, seed=rows), fmt)
+        x, bias = torch.randn(rows, width), torch.randn(cols)
+        out = DequantizedGemmProduct(weight, bias)(x)
+        assert torch.equal(out, CpuPackedLinear(dequantize(weight), bias)(x)), (cols, width, rows)
+        assert torch.allclose(out, x @ dequantize(weight).T + bias, rtol=1e-4, atol=1e-4)
     assert DequantizedGemmProduct(weight, None)(x.bfloat16()).dtype == torch.bfloat16
 
 

@@ -583,6 +583,7 @@ def cmd_latency_against_llama_cpp(args) -> int:
     import torch
 
     from engine.model.model_info import default_model_path
+    from engine_bench.bandwidth import decode_shares, gguf_bytes_per_token, measure_bandwidth
     from engine_bench.offline import _in_fresh_process
     from engine_bench.single_stream import compare, run_llama_bench, run_single_stream
 
@@ -598,13 +599,19 @@ def cmd_latency_against_llama_cpp(args) -> int:
         peer = run_llama_bench(
             args.peer_binary, peer_model, args.input_len, args.output_len, threads, repetitions=args.iterations
         )
+        bandwidth = _in_fresh_process(measure_bandwidth)  # on threads as the engine's process sets them
     for result in results.values():
         result.update(compare(result, peer))
+        if result.get("bytes_per_token"):
+            result.update(decode_shares(result["decode_tok_s"], result["bytes_per_token"], bandwidth))
+    if peer.get("decode_tok_s"):
+        peer.update(decode_shares(peer["decode_tok_s"], gguf_bytes_per_token(peer_model), bandwidth))
     report = {
         "benchmark": "latency-single-stream",
         "input_len": args.input_len,
         "output_len": args.output_len,
         "threads": threads,
+        "bandwidth": bandwidth,
         "engine": results,
         "llama.cpp": peer,
     }

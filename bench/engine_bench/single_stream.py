@@ -30,6 +30,11 @@ def run_single_stream(overrides: dict[str, Any], input_len: int, output_len: int
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - start
 
+    from engine.testing import inspect
+    from engine_bench.bandwidth import model_bytes_per_token
+
+    model = inspect(llm).model
+    bytes_per_token = model_bytes_per_token(model) if model is not None else None
     timed(short_prompt, 8)  # warm-up: first-call allocations
     pp, tg = [], []
     for _ in range(iterations):
@@ -42,6 +47,7 @@ def run_single_stream(overrides: dict[str, Any], input_len: int, output_len: int
         "prompt_runs": [round(v, 1) for v in pp],
         "decode_runs": [round(v, 1) for v in tg],
         "peak_rss_mib": peak_rss_mib(),
+        "bytes_per_token": bytes_per_token,
     }
 
 

@@ -1,7 +1,7 @@
 """The plugin contract: one hookspec per pluggable kind (pluggy project name ``engine``).
 
 A plugin is a module registered under the ``engine.plugins`` entry-point group. It declares the
-contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.11"``; a different major version is
+contract version it was built for (``ENGINE_CONTRACT_VERSION = "1.12"``; a different major version is
 refused, an older 1.x minor keeps working through adapters) and implements any of the hooks below with
 ``@engine.hookimpl``. Each class hook returns a list of implementation classes; every class carries a
 unique ``name``, a ``priority`` used by ``auto``, and a classmethod ``unavailable_reasons(ctx)`` that says
@@ -23,14 +23,15 @@ import pluggy
 _Spec = TypeVar("_Spec", bound=Callable[..., Any])
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.11"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.12"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
 # LayerKernels.capture_decode_step, 1.6 engine_spec_proposers, 1.7 engine_structured_output_backends and
 # engine_tool_parsers, 1.8 the fused mixture-of-experts operation (LayerKernels.select_experts, pack_experts,
 # fused_moe), 1.9 multi-head latent attention (AttentionBackend.get_mla_impl_cls, get_mla_kv_cache_shape,
 # MLAAttentionImpl), 1.10 Mamba's state-space kernels (LayerKernels.causal_conv1d, mamba2_scan, selective_scan),
-# 1.11 quantized experts (LayerKernels.pack_quantized_experts, FusedMoE.quant_w13 / quant_w2)
+# 1.11 quantized experts (LayerKernels.pack_quantized_experts, FusedMoE.quant_w13 / quant_w2), 1.12
+# LayerKernels.serves_packed_weights (auto quantization keeps a GGUF file packed)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -218,14 +219,15 @@ def engine_layer_kernels() -> list[type]:
     "the quantized weights, and the layer kernels' quantized_product_candidates run them",
     choice_help="QuantizationMethod plugin (how linear weights are stored): none = float weights (a GGUF "
     "file de-quantized at load), gguf = a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept packed, int8 = "
-    "weight-only int8 made at load; auto = none",
+    "weight-only int8 made at load; auto = gguf for a GGUF file under layer kernels that serve packed weights "
+    "(cpu), none otherwise",
 )
 def engine_quantization_methods() -> list[type]:
     """Return QuantizationMethod subclasses (``engine.interfaces.quantization``).
 
     Chosen by ``model.quantization``; ``auto`` takes the highest-priority available one whose ``preferred_for(ctx)``
-    holds (of the built-ins only ``none``: float weights batch faster on CPUs; ``gguf`` and ``int8`` are chosen
-    by name). Constructed once per worker as ``cls()``: the loader keeps the
+    holds (of the built-ins ``gguf`` for a GGUF file where the layer kernels serve packed weights
+    (``LayerKernels.serves_packed_weights``), else ``none``; ``int8`` is chosen by name). Constructed once per worker as ``cls()``: the loader keeps the
     checkpoint tensors of ``packed_checkpoint_formats(model_info)`` packed, then calls
     ``process_weights_after_loading(model)``, which sets ``module.quant_weight`` on the layers it quantizes.
     """

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 
 class QuantizationMethod(Pluggable):
-    """A way of storing weights; chosen by ``model.quantization`` (``none``: float weights, what ``auto`` takes;
-    ``gguf``: a GGUF file's blocks kept packed; ``int8``: weight-only int8 made at load)."""
+    """A way of storing weights; chosen by ``model.quantization`` (``none``: float weights; ``gguf``: a GGUF file's
+    blocks kept packed, what ``auto`` takes for a GGUF file under layer kernels that serve packed weights, ``none``
+    otherwise; ``int8``: weight-only int8 made at load)."""
 
     def packed_checkpoint_formats(self, model_info: ModelInfo) -> frozenset[str]:
         """Formats (``engine.model.quant_formats.FORMATS``) of checkpoint tensors to load without

@@ -9,6 +9,7 @@ import torch
 
 from engine.hookspecs import hookimpl
 from engine.interfaces.base import SelectionContext
+from engine.interfaces.layer_kernels import LayerKernels
 from engine.interfaces.quantization import QuantizationMethod
 from engine.model.layers.linear import finish_quantized_weight, linear_layers, set_quantized_weight
 from engine.model.layers.moe import moe_layers
@@ -32,6 +33,15 @@ def _log_quantized(model: torch.nn.Module, method: str) -> None:
         )
 
 
+def _layer_kernels(ctx: SelectionContext) -> type[LayerKernels]:
+    """The layer kernels the configuration chooses (as the worker will: same choice, same context)."""
+    from engine.hookspecs import KINDS
+    from engine.plugins import get_plugin_manager
+
+    name = ctx.config.get_key(KINDS["layer_kernels"].config_key or "device.layer_kernels")
+    return get_plugin_manager().select("layer_kernels", name, ctx).cls
+
+
 def quantize_experts(model: torch.nn.Module, fmt: str) -> None:
     """Quantize every MoE layer's experts into ``fmt``, expert by expert (``FusedMoE.set_quantized_experts``)."""
     for layer in moe_layers(model):
@@ -53,9 +63,9 @@ class NoQuantization(QuantizationMethod):
 
 class GGUFQuantization(QuantizationMethod):
     """A GGUF file's Q4_0, Q4_1 and Q8_0 tensors stay packed in memory, blocks as llama.cpp stores them; other
-    tensor types (F32 norms, K-quants) are de-quantized as they load. Chosen by name: ``auto`` keeps a GGUF file's
-    weights in float, which serves batches 1.6x faster on CPUs (docs/benchmarks.md), while this method decodes a
-    single stream 1.8x faster in half the memory."""
+    tensor types (F32 norms, K-quants) are de-quantized as they load. ``auto`` takes it for a GGUF file where the
+    chosen layer kernels serve packed weights well (``LayerKernels.serves_packed_weights``: the ``cpu`` kernels),
+    else keeps float weights (``native`` would de-quantize every product)."""
 
     name = "gguf"
     priority = 10
@@ -69,7 +79,11 @@ class GGUFQuantization(QuantizationMethod):
 
     @classmethod
     def preferred_for(cls, ctx: SelectionContext) -> bool:
-        return False
+        return (
+            ctx.model_info is not None
+            and ctx.model_info.format == "gguf"
+            and _layer_kernels(ctx).serves_packed_weights()
+        )
 
     def packed_checkpoint_formats(self, model_info) -> frozenset[str]:
         return frozenset(GGUF_TYPES.values())

@@ -3,8 +3,8 @@
 - ``QuantDotProduct``: integer block dot products on the packed weight (activations quantized per block of 32),
   in each ISA variant this CPU has: the product of single-stream decoding, which reads 4-8x fewer weight bytes
   than a float32 product.
-- ``DequantizedGemmProduct``: the weight de-quantized into the AVX2 GEMM's panels on every call, then the float32
-  GEMM: for prompt-sized products, where the GEMM's arithmetic dominates and the integer dot would be slower.
+- ``DequantizedGemmProduct``: the weight de-quantized a 16-row panel at a time, in cache, under the float32 GEMM's
+  tile: for products with many rows, where the GEMM's arithmetic dominates and the integer dot would be slower.
 
 Which one runs at which row count is measured at load (``engine.model.layers.product_choice``).
 """
@@ -86,32 +86,30 @@ class QuantDotProduct:
 
 
 class DequantizedGemmProduct:
-    """The weight de-quantized into 16-column float32 panels on each call, then the AVX2 GEMM (``gemm.py``): for
-    products with many rows. Nothing de-quantized is kept between calls."""
+    """The float32 GEMM (``gemm.py``'s tile) on the weight de-quantized one 16-row panel at a time into each thread's
+    buffer, which stays in cache while every row of x passes it: for products with many rows. Nothing the size of
+    the weight is written, and the result is the same bits as de-quantizing it whole, then the packed GEMM."""
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor]):
-        from engine_attention_cpu import _gemm
-
-        self._ops, self._gemm = _ops(), _gemm
         self.weight = weight
         self.format_id = FORMAT_IDS[weight.format]
         self.out_features, self.in_features = weight.shape
-        self.panels_shape = (-(-self.out_features // PANEL), self.in_features, PANEL)
-        self.bias = None
+        padded_bias = None
         if bias is not None:
-            self.bias = torch.zeros(self.panels_shape[0] * PANEL)
-            self.bias[: self.out_features] = bias.detach().float()
+            padded_bias = torch.zeros(-(-self.out_features // PANEL) * PANEL)
+            padded_bias[: self.out_features] = bias.detach().float()
+        self.bias = padded_bias
+        self._forward = functools.partial(
+            _ops().dequantized_forward,
+            data=weight.data,
+            scales=weight.scales,
+            format=self.format_id,
+            bias=padded_bias,
+            out_features=self.out_features,
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        panels = torch.empty(self.panels_shape, dtype=torch.float32)
-        self._ops.dequantize_panels(panels, self.weight.data, self.weight.scales, self.format_id)
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.float().contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self._gemm.linear(out, rows, panels, self.bias)
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return self._forward(x)
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:

@@ -249,8 +249,8 @@ struct QuantExpertsView {
 
 // Every expert's product of one phase on quantized weights. Experts with fewer than dequant_min_rows rows: their rows
 // quantized per block of 32, then integer block dot products, all those experts in one pass of the spin pool over
-// (expert, 4-column tile) items (one wake-up per phase in a decode step); the others: the weight de-quantized into
-// the AVX2 GEMM's panels, then the float32 GEMM (prompt-sized products).
+// (expert, 4-column tile) items (one wake-up per phase in a decode step); the others: the float32 GEMM on the weight
+// de-quantized a 16-row panel at a time (prompt-sized products).
 void run_quant_products(const float* x, int64_t k, const QuantExpertsView& w, const std::vector<int64_t>& counts,
                         int64_t n, float* out) {
   using engine_quant::kBlock;
@@ -260,18 +260,14 @@ void run_quant_products(const float* x, int64_t k, const QuantExpertsView& w, co
   std::vector<int8_t> xq;
   std::vector<float> xd, xsum;
   std::vector<int64_t> dot, item_start{0};
-  torch::Tensor panels;  // one expert's weight de-quantized, reused by every expert of the phase
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t r0 = counts[e], m = counts[e + 1] - r0;
     if (m == 0) continue;
-    if (m >= w.dequant_min_rows) {
+    if (m >= w.dequant_min_rows) {  // the weight de-quantized a panel at a time under the GEMM's tile
       auto options = torch::TensorOptions().dtype(at::kFloat);
-      if (!panels.defined())
-        panels = at::empty({(n + engine_cpu::kCols - 1) / engine_cpu::kCols, k, engine_cpu::kCols}, options);
-      engine_quant::dequantize_panels(panels, w.data[e], w.scales_of(e), w.format);
-      torch::Tensor result = torch::from_blob(out + r0 * n, {m, n}, options);
-      engine_cpu::linear(result, torch::from_blob(const_cast<float*>(x + r0 * k), {m, k}, options), panels,
-                         c10::nullopt);
+      engine_quant::dequantized_linear(torch::from_blob(out + r0 * n, {m, n}, options),
+                                       torch::from_blob(const_cast<float*>(x + r0 * k), {m, k}, options), w.data[e],
+                                       w.scales_of(e), w.format, c10::nullopt);
       continue;
     }
     if (xq.empty()) {

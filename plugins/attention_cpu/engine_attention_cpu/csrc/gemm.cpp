@@ -6,6 +6,7 @@
 // threads share the packed x; each owns a contiguous range of weight panels and, once done, takes
 // panels from the back of the others' ranges (work stealing: robust to a core taken by another process). Every output element is one fused multiply-add chain over k
 // in order (K in chunks of at most 576): a row's result does not depend on the other rows of the batch.
+#pragma once  // compiled into other kernel sources too (fused_moe.cpp, quant_gemm.cpp, decode_graph.cpp)
 #include <torch/extension.h>
 #include <omp.h>
 
@@ -161,6 +162,73 @@ torch::Tensor pack_weight(torch::Tensor weight) {
   return padded.view({panels, kCols, k}).transpose(1, 2).contiguous();
 }
 
+#ifdef ENGINE_AVX2
+// c[M, N] = x[M, K] @ W.T + bias over the weight's panels, each given by panel_of(q): a [K][16] float32 panel that
+// stays valid while the calling thread computes panel q (a packed weight's own panel, or a quantized weight's
+// de-quantized into that thread's buffer: quant_gemm.cpp). bias_ptr (or null) is padded to the panels.
+// whole_rows: a work item is a panel against every row (a panel made per item is made once per product).
+template <class PanelOf>
+void linear_panels(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
+                   const float* bias_ptr, const PanelOf& panel_of, bool whole_rows = false) {
+  const int64_t kc_max = chunk_size(k), row_panels = (m + kRows - 1) / kRows;
+  const int64_t chunk_stride = row_panels * kRows;  // floats per k of one chunk: [M/6][kc][6] = kc * chunk_stride
+  std::vector<float>& buffer = packed_x_buffer();
+  if (buffer.size() < static_cast<size_t>(chunk_stride * k)) buffer.resize(chunk_stride * k);
+  float* ax = buffer.data();
+  // two threads only pay off when each has a few tiles of work
+  const int threads = (m * n * k >= (int64_t)1 << 18) ? at::get_num_threads() : 1;
+
+  // Work items are (row block, weight panel) pairs, each computed over every k chunk by one thread in the same
+  // order whoever takes it (a result does not depend on the split). Each thread owns the items of a contiguous
+  // range of panels, row block by row block (the static split: a row block of packed x stays in L2 while the
+  // thread's panels pass over it), and takes them from the front; a thread that runs out takes items from the
+  // back of the others' ranges. So a thread that loses its core to another process for a while leaves the
+  // rest of its share to the others instead of holding every thread up at the end.
+  const int64_t block_rows =
+      whole_rows ? m : std::max<int64_t>(kRows, std::min<int64_t>(kRowBlock, kRowBlockFloats / k / kRows * kRows));
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  std::vector<ItemRange> ranges(threads);
+  for (int t = 0; t < threads; ++t) {
+    ranges[t].first_panel = panels * t / threads;
+    ranges[t].width = panels * (t + 1) / threads - ranges[t].first_panel;
+    ranges[t].reset(0, ranges[t].width * row_blocks);
+  }
+
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(dynamic) collapse(2)
+    for (int64_t k0 = 0; k0 < k; k0 += kc_max)
+      for (int64_t p = 0; p < row_panels; ++p) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * kRows * kc);
+      }
+    // implicit barrier: every thread reads all of packed x
+    auto compute = [&](const ItemRange& range, int64_t item) {
+      const int64_t i0 = (item / range.width) * block_rows, i1 = std::min(m, i0 + block_rows);
+      const int64_t q = range.first_panel + item % range.width;
+      const int64_t cols = std::min(kCols, n - q * kCols);
+      const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
+      const float* weight_panel = panel_of(q);
+      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        const float* chunk = ax + k0 * chunk_stride;
+        const float* panel = weight_panel + k0 * kCols;
+        for (int64_t i = i0; i < i1; i += kRows)
+          tile_rows(std::min(kRows, m - i), kc, chunk + (i / kRows) * kRows * kc, panel, c + i * n + q * kCols, n,
+                    cols, k0 == 0, panel_bias);
+      }
+    };
+    const int t = omp_get_thread_num();
+    int64_t item;
+    while (ranges[t].take_front(item)) compute(ranges[t], item);
+    for (int other = 1; other < threads; ++other) {
+      ItemRange& range = ranges[(t + other) % threads];
+      while (range.take_back(item)) compute(range, item);
+    }
+  }
+}
+#endif
+
 // out[M, N] = x[M, K] @ weight.T + bias, with the weight packed by pack_weight and bias padded to the panels.
 void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
 #ifdef ENGINE_AVX2
@@ -185,64 +253,9 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optio
     if (bias.has_value()) out.add_(bias->narrow(0, 0, n));
     return;
   }
-  const int64_t kc_max = chunk_size(k), row_panels = (m + kRows - 1) / kRows;
-  const int64_t chunk_stride = row_panels * kRows;  // floats per k of one chunk: [M/6][kc][6] = kc * chunk_stride
-  std::vector<float>& buffer = packed_x_buffer();
-  if (buffer.size() < static_cast<size_t>(chunk_stride * k)) buffer.resize(chunk_stride * k);
-  float* ax = buffer.data();
-  const float* xs = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
-  float* c = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  // two threads only pay off when each has a few tiles of work
-  const int threads = (m * n * k >= (int64_t)1 << 18) ? at::get_num_threads() : 1;
-
-  // Work items are (row block, weight panel) pairs, each computed over every k chunk by one thread in the same
-  // order whoever takes it (a result does not depend on the split). Each thread owns the items of a contiguous
-  // range of panels, row block by row block (the static split: a row block of packed x stays in L2 while the
-  // thread's panels pass over it), and takes them from the front; a thread that runs out takes items from the
-  // back of the others' ranges. So a thread that loses its core to another process for a while leaves the
-  // rest of its share to the others instead of holding every thread up at the end.
-  const int64_t block_rows = std::max<int64_t>(kRows, std::min<int64_t>(kRowBlock, kRowBlockFloats / k / kRows * kRows));
-  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
-  std::vector<ItemRange> ranges(threads);
-  for (int t = 0; t < threads; ++t) {
-    ranges[t].first_panel = panels * t / threads;
-    ranges[t].width = panels * (t + 1) / threads - ranges[t].first_panel;
-    ranges[t].reset(0, ranges[t].width * row_blocks);
-  }
-
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(dynamic) collapse(2)
-    for (int64_t k0 = 0; k0 < k; k0 += kc_max)
-      for (int64_t p = 0; p < row_panels; ++p) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * kRows * kc);
-      }
-    // implicit barrier: every thread reads all of packed x
-    auto compute = [&](const ItemRange& range, int64_t item) {
-      const int64_t i0 = (item / range.width) * block_rows, i1 = std::min(m, i0 + block_rows);
-      const int64_t q = range.first_panel + item % range.width;
-      const int64_t cols = std::min(kCols, n - q * kCols);
-      const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
-      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        const float* chunk = ax + k0 * chunk_stride;
-        const float* panel = w + (q * k + k0) * kCols;
-        for (int64_t i = i0; i < i1; i += kRows)
-          tile_rows(std::min(kRows, m - i), kc, chunk + (i / kRows) * kRows * kc, panel, c + i * n + q * kCols, n,
-                    cols, k0 == 0, panel_bias);
-      }
-    };
-    const int t = omp_get_thread_num();
-    int64_t item;
-    while (ranges[t].take_front(item)) compute(ranges[t], item);
-    for (int other = 1; other < threads; ++other) {
-      ItemRange& range = ranges[(t + other) % threads];
-      while (range.take_back(item)) compute(range, item);
-    }
-  }
+  linear_panels(out.data_ptr<float>(), n, x.data_ptr<float>(), x.stride(0), m, k, panels, bias_ptr,
+                [w, k](int64_t q) { return w + q * k * kCols; });
 #else
   TORCH_CHECK(false, "the engine_attention_cpu GEMM needs AVX2 + FMA (built without them)");
 #endif

@@ -23,6 +23,14 @@
 
 #include "spin_pool.h"
 
+#ifdef ENGINE_KERNELS_NO_MODULE
+#include "gemm.cpp"  // namespace engine_cpu (already compiled in where this file is, then skipped: pragma once)
+#else
+#define ENGINE_KERNELS_NO_MODULE  // the GEMM without its bindings
+#include "gemm.cpp"
+#undef ENGINE_KERNELS_NO_MODULE
+#endif
+
 namespace engine_quant {
 
 enum Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kI8 = 3 };
@@ -285,6 +293,125 @@ void dequantize_panels(torch::Tensor out, torch::Tensor data, c10::optional<torc
   });
 }
 
+#ifdef ENGINE_AVX2
+// r[0..8) (8 floats each) transposed in place
+static inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// One whole block of 32 weights de-quantized into v[0..4) (weights 0-7, 8-15, 16-23, 24-31), rounded as
+// dequantize_row rounds them (a product, then a sum: no fused multiply-add).
+static inline void dequantize_block(const uint8_t* blk, int format, float scale, __m256* v) {
+  if (format == kQ4_0 || format == kQ4_1) {
+    const float d = half_to_float(blk), m = format == kQ4_1 ? half_to_float(blk + 2) : -8.f * d;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (format == kQ4_1 ? 4 : 2)));
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]))), mv);
+  } else {
+    const __m256 dv = _mm256_set1_ps(format == kQ8_0 ? half_to_float(blk) : scale);
+    const uint8_t* qs = format == kQ8_0 ? blk + 2 : blk;
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i)))));
+  }
+}
+
+// Weight rows [16q, 16q + 16) as the GEMM's panel [K][16] (rows past n zero): 8 rows of a block at a time,
+// transposed in registers. The same values as dequantize_panels.
+static void dequantize_panel(float* panel, const uint8_t* w, int64_t row_bytes, int format, int64_t k, int64_t n,
+                             const float* scales, int64_t q) {
+  const int64_t whole = k / kBlock, bytes = block_bytes(format), rows = std::min<int64_t>(16, n - q * 16);
+  for (int64_t b = 0; b < whole; ++b)
+    for (int64_t half = 0; half < 2; ++half) {
+      __m256 v[4][8];
+      for (int64_t r = 0; r < 8; ++r) {
+        const int64_t row = q * 16 + half * 8 + r;
+        __m256 block[4];
+        if (half * 8 + r < rows) {
+          dequantize_block(w + row * row_bytes + b * bytes, format, scales ? scales[row] : 1.f, block);
+        } else {
+          block[0] = block[1] = block[2] = block[3] = _mm256_setzero_ps();
+        }
+        for (int g = 0; g < 4; ++g) v[g][r] = block[g];
+      }
+      for (int g = 0; g < 4; ++g) {
+        transpose8(v[g]);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(panel + (b * kBlock + g * 8 + j) * 16 + half * 8, v[g][j]);
+      }
+    }
+  for (int64_t j = whole * kBlock; j < k; ++j)  // int8 rows that are not whole blocks: the ragged tail
+    for (int64_t c = 0; c < 16; ++c) {
+      const int64_t row = q * 16 + c;
+      const int8_t* qs = reinterpret_cast<const int8_t*>(w + row * row_bytes);
+      panel[j * 16 + c] = c < rows ? scales[row] * static_cast<float>(qs[j]) : 0.f;
+    }
+}
+#endif
+
+// out [M, N] = x @ W.T + bias for products with many rows: each 16-row panel of W de-quantized into the calling
+// thread's buffer (it stays in L2) and multiplied by every row of x at once by the float32 GEMM's tile; nothing
+// the size of W is written. The same bits as dequantize_panels followed by engine_cpu::linear.
+void dequantized_linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
+                        int64_t format, c10::optional<torch::Tensor> bias) {
+#ifdef ENGINE_AVX2
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1, "x: float32 rows, unit stride");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t m = x.size(0), k = x.size(1), n = data.size(0), panels = (n + 15) / 16;
+  check_weight(data, scales, format, k);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must be [rows, out_features]");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == panels * 16,
+                "bias must be float32, padded to the panels");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  if (m == 0 || n == 0) return;
+  const uint8_t* w = static_cast<const uint8_t*>(data.data_ptr());
+  const float* s = scales.has_value() ? scales->data_ptr<float>() : nullptr;
+  const int64_t row_bytes = data.size(1);
+  auto panel_of = [&](int64_t q) -> const float* {
+    thread_local std::vector<float> buffer;  // one panel per thread, reused
+    if (buffer.size() < static_cast<size_t>(k * 16)) buffer.resize(k * 16);
+    dequantize_panel(buffer.data(), w, row_bytes, static_cast<int>(format), k, n, s, q);
+    return buffer.data();
+  };
+  engine_cpu::linear_panels(out.data_ptr<float>(), n, x.data_ptr<float>(), x.stride(0), m, k, panels, bias_ptr,
+                            panel_of, /*whole_rows=*/true);
+#else
+  TORCH_CHECK(false, "the de-quantizing GEMM needs AVX2 + FMA (built without them)");
+#endif
+}
+
+// x [..., K] of any float dtype -> x @ W.T (+ bias padded to the panels) [..., N] in x's dtype, in one call.
+torch::Tensor dequantized_forward(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
+                                  int64_t format, c10::optional<torch::Tensor> bias, int64_t out_features) {
+  const int64_t k = x.size(-1);
+  torch::Tensor rows = x.reshape({-1, k});
+  if (rows.scalar_type() != torch::kFloat32) rows = rows.to(torch::kFloat32);
+  if (rows.stride(-1) != 1) rows = rows.contiguous();
+  torch::Tensor out = at::empty({rows.size(0), out_features}, rows.options());
+  dequantized_linear(out, rows, data, scales, format, bias);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  out = out.view(shape);
+  return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
+}
+
 std::vector<std::tuple<std::string, bool>> variants() {
   return {{"scalar", cpu_has(kScalar)}, {"avx2", cpu_has(kAvx2)}, {"avx512vnni", cpu_has(kAvx512Vnni)}};
 }
@@ -302,5 +429,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &engine_quant::dequantize, "out [N, K] float32 = W");
   m.def("dequantize_panels", &engine_quant::dequantize_panels, "out [ceil(N/16), K, 16] float32 panels of W");
+  m.def("dequantized_forward", &engine_quant::dequantized_forward,
+        "x [..., K] -> x @ W.T (+ bias padded to 16) [..., N] in x's dtype, W de-quantized a panel at a time",
+        py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("bias"), py::arg("out_features"),
+        py::call_guard<py::gil_scoped_release>());
 }
 #endif

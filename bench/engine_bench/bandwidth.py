@@ -1,0 +1,82 @@
+"""The memory-bandwidth bound of single-stream decoding: each decode token reads every weight its products use once,
+so ``read bandwidth / bytes read per token`` is the most tokens/s any engine can decode one stream at.
+
+- ``measure_bandwidth``: STREAM-like kernels on the calling process's torch threads (the engine's own, in the
+  engine's process): a read-only sum and the triad ``a = b + s * c``, over arrays far larger than the caches, best of
+  several passes (GB/s, 1e9 bytes; the triad counts its three arrays' bytes, as STREAM does).
+- ``model_bytes_per_token``: what a loaded model's products read per decode token (packed blocks where the weights
+  stay quantized, the float weights otherwise; the LM head included, the embedding's one row not).
+- ``gguf_bytes_per_token``: the same for a GGUF file as llama.cpp runs it (every tensor its products read).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+ARRAY_BYTES = 256 * 2**20  # each array: far past any L3 of the machines this runs on
+PASSES = 5
+
+
+def measure_bandwidth(array_bytes: int = ARRAY_BYTES, passes: int = PASSES) -> dict[str, Any]:
+    """``{"read_gb_s", "triad_gb_s", "threads"}``: the best pass of a sum over one array and of the triad."""
+    n = array_bytes // 4
+    a, b, c = torch.ones(n), torch.full((n,), 2.0), torch.full((n,), 3.0)  # written: pages mapped before timing
+
+    def best(kernel, nbytes: int) -> float:
+        kernel()
+        fastest = min(_timed(kernel) for _ in range(passes))
+        return round(nbytes / fastest / 1e9, 2)
+
+    read = best(lambda: b.sum(), 4 * n)
+    triad = best(lambda: torch.add(b, c, alpha=3.0, out=a), 3 * 4 * n)
+    return {"read_gb_s": read, "triad_gb_s": triad, "threads": torch.get_num_threads(), "array_mib": array_bytes >> 20}
+
+
+def _timed(kernel) -> float:
+    start = time.perf_counter()
+    kernel()
+    return time.perf_counter() - start
+
+
+def model_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode token's products read: each linear layer's packed blocks (``quant_weight``) or its
+    float weight, each MoE layer's experts (all of them: an upper bound), and the LM head."""
+    from engine.model.layers.linear import linear_layers
+    from engine.model.layers.moe import moe_layers
+
+    total = 0
+    for layer in linear_layers(model):
+        packed = getattr(layer, "quant_weight", None)
+        total += packed.nbytes if packed is not None else layer.weight.numel() * layer.weight.element_size()
+    for moe in moe_layers(model):
+        for packed, weight in ((moe.quant_w13, moe.w13_weight), (moe.quant_w2, moe.w2_weight)):
+            total += packed.nbytes if packed is not None else weight.numel() * weight.element_size()
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        packed = getattr(head, "quant_weight", None)
+        total += packed.nbytes if packed is not None else head.weight.numel() * head.weight.element_size()
+    return int(total)
+
+
+def gguf_bytes_per_token(path: str) -> int:
+    """Bytes of a GGUF file's tensors that a decode token reads in llama.cpp: every 2-D weight but the token
+    embedding (one row of it), which counts when it is also the output (tied: no ``output.weight``)."""
+    from engine.model.gguf_file import open_gguf
+
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    tied = "output.weight" not in tensors
+    read = [t for name, t in tensors.items() if len(t.shape) >= 2 and (name != "token_embd.weight" or tied)]
+    return int(sum(int(t.n_bytes) for t in read))
+
+
+def decode_shares(decode_tok_s: float, bytes_per_token: int, bandwidth: dict[str, Any]) -> dict[str, Any]:
+    """The bound ``read bandwidth / bytes per token`` and the share of it a decode rate reaches."""
+    bound = bandwidth["read_gb_s"] * 1e9 / bytes_per_token
+    return {
+        "bytes_per_token": bytes_per_token,
+        "bandwidth_bound_tok_s": round(bound, 1),
+        "share_of_bandwidth": round(decode_tok_s / bound, 3),
+    }
