@@ -227,9 +227,10 @@ def engine_quantization_methods() -> list[type]:
 
     Chosen by ``model.quantization``; ``auto`` takes the highest-priority available one whose ``preferred_for(ctx)``
     holds (of the built-ins ``gguf`` for a GGUF file where the layer kernels serve packed weights
-    (``LayerKernels.serves_packed_weights``), else ``none``; ``int8`` is chosen by name). Constructed once per worker as ``cls()``: the loader keeps the
-    checkpoint tensors of ``packed_checkpoint_formats(model_info)`` packed, then calls
-    ``process_weights_after_loading(model)``, which sets ``module.quant_weight`` on the layers it quantizes.
+    (``LayerKernels.serves_packed_weights``), else ``none``; ``int8`` is chosen by name). Constructed once per
+    worker as ``cls()``: the loader keeps the checkpoint tensors of ``packed_checkpoint_formats(model_info)``
+    packed, then calls ``process_weights_after_loading(model)``, which sets ``module.quant_weight`` on the layers
+    it quantizes.
     """
 
 
