@@ -25,7 +25,7 @@ def _select(model=None, quantization="auto", **settings):
 
 
 def test_auto_keeps_a_gguf_file_packed_where_the_kernels_serve_it(tiny_llama):
-    """auto = gguf for a GGUF file under layer kernels that serve packed weights (cpu: single streams 2.4x faster,
+    """auto = gguf for a GGUF file under layer kernels that serve packed weights (cpu: single streams 2.5x faster,
     batches 0.88x, docs/benchmarks.md), none under those that would de-quantize every product (native); float
     checkpoints stay float."""
     cpu_built = (

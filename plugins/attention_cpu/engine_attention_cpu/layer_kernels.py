@@ -77,7 +77,7 @@ class CpuLayerKernels(NativeLayerKernels):
     @classmethod
     def serves_packed_weights(cls) -> bool:
         """With the integer-dot kernels and the GEMM that de-quantizes a panel at a time built: on W1 (32 requests)
-        a Q4_1 GGUF kept packed serves 0.88x the float32 weights' tokens/s and decodes one stream 2.4x faster in
+        a Q4_1 GGUF kept packed serves 0.88x the float32 weights' tokens/s and decodes one stream 2.5x faster in
         two thirds of the memory (docs/benchmarks.md)."""
         return all(importlib.util.find_spec(f"engine_attention_cpu.{ext}") is not None for ext in ("_quant", "_gemm"))
 
