@@ -323,6 +323,18 @@ class ServerConfig(_Section):
         description="API-server processes sharing the port (each talks to "
         "every engine core; useful when the front end, not the model, is the bottleneck)",
     )
+    max_waiting_requests: Optional[int] = Field(
+        None,
+        gt=0,
+        description="bounded admission: most requests waiting for their first token; a call beyond it gets 503 "
+        "with Retry-After at once (unset: no bound; divided between the API servers)",
+    )
+    max_waiting_tokens: Optional[int] = Field(
+        None,
+        gt=0,
+        description="bounded admission: most prompt tokens of requests waiting for their first token (unset: no "
+        "bound; a call is always admitted when nothing waits)",
+    )
     tool_call_parser: str = Field("none", description=KINDS["tool_parser"].choice_help)
     shutdown_grace_period: float = Field(
         5.0,

@@ -31,6 +31,7 @@ class APIError(Exception):
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None, err_type: Optional[str] = None):
         super().__init__(message)
         self.status, self.param = status, param
+        self.headers: dict[str, str] = {}  # sent with the error (Retry-After on a 503 of an overloaded server)
         self.err_type = err_type or ERROR_TYPES.get(status, "InternalServerError")
 
     @classmethod
@@ -55,7 +56,7 @@ class APIError(Exception):
         return error_body(str(self), self.err_type, self.param, self.status)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def _request_id(request: Request) -> str:

@@ -43,6 +43,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("engine_prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("engine_generation_tokens", "Tokens generated")
         self.requests_finished = counter("engine_request_success", "Requests finished")
+        self.requests_refused = Counter(
+            "engine_request_refused",
+            "Calls refused with 503 because the server was overloaded (reason: the cap that was reached)",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
         self.time_to_first_token = histogram("engine_time_to_first_token_seconds", "Time to first token")
         self.inter_token_latency = histogram("engine_inter_token_latency_seconds", "Time between tokens")
         self.e2e_latency = histogram("engine_e2e_request_latency_seconds", "End-to-end request latency")

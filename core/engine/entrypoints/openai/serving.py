@@ -13,6 +13,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 
 from engine.config import VllmConfig
+from engine.entrypoints.openai.admission import AdmissionControl
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from engine.frontend.input_processor import PreparedRequest
@@ -37,6 +38,12 @@ class OpenAIServing:
         self.remote = remote  # RemoteEngines: join the engine cores another process started
         self.model_name = served_model_name(config, config.model.model or default_model_path())
         self.metrics = ServerMetrics(self.model_name, remote.client_index if remote is not None else 0)
+        servers = config.server.api_server_count  # each API server holds its share of the admission caps
+        self.admission = AdmissionControl(
+            None if config.server.max_waiting_requests is None else -(-config.server.max_waiting_requests // servers),
+            None if config.server.max_waiting_tokens is None else -(-config.server.max_waiting_tokens // servers),
+            on_refused=lambda reason: self.metrics.requests_refused.labels(self.model_name, reason).inc(),
+        )
         self.engine = None  # AsyncLLM, once loaded
         self.load_error: Optional[str] = None
         self.cancel_start = threading.Event()  # set on shutdown: a start-up in progress stops its engine core
@@ -117,8 +124,22 @@ class OpenAIServing:
         return await asyncio.to_thread(self.prepare, engine, prompts, params, base_id)
 
     # ---- generation -----------------------------------------------------------------------------
+    def admit(self, prepared: list[PreparedRequest]) -> None:
+        """Bounded admission (``admission.py``): every prompt of a call reserved, or a 503 with Retry-After for
+        the call; each prompt's ``generate`` then releases its reservation."""
+        self.admission.admit([(p.request_id, p.num_prompt_tokens) for p in prepared])
+
     async def generate(self, engine, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one prepared prompt, measured for the metrics."""
+        self.admission.started(prepared.request_id)
+        try:
+            async for output in self._generate(engine, prepared):
+                self.admission.first_output(prepared.request_id)
+                yield output
+        finally:
+            self.admission.release(prepared.request_id)
+
+    async def _generate(self, engine, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         timer = RequestTimer(self.metrics, time.monotonic)
         if self.config.server.log_requests:
             logger.info(

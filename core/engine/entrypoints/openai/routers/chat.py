@@ -78,6 +78,7 @@ async def chat_completions(
     prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
     request_id = random_id("chatcmpl")
     prepared = await serving.prepare_off_loop(engine, [prompt], params, request_id)
+    serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
     header = {"id": request_id, "object": "chat.completion", "created": now(), "model": serving.model_name}
     num_top = body.top_logprobs or 0
 

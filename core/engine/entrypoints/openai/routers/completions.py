@@ -64,6 +64,7 @@ async def completions(body: CompletionRequest, http_request: Request, serving: O
     prompts = await serving.tokenized(engine, completion_prompts(body.prompt))
     request_id = random_id("cmpl")
     prepared = await serving.prepare_off_loop(engine, prompts, params, request_id)
+    serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
     header = {"id": request_id, "object": "text_completion", "created": now(), "model": serving.model_name}
 
     if not body.stream:

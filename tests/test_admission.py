@@ -1,0 +1,129 @@
+"""Bounded admission (`--max-waiting-requests`, `--max-waiting-tokens`): an overloaded server refuses new calls at
+once with 503, Retry-After and an OpenAI error body, counts them in /metrics, and loses nothing it accepted."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from engine.entrypoints.openai.admission import STALE_RESERVATION_S, AdmissionControl, OverloadedError
+from tests.helpers import Server, wait_until
+from tests.test_server import metric
+
+MODEL_NAME = "tiny-llama"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_caps_refuse_whole_calls_and_always_admit_when_nothing_waits():
+    refused = []
+    clock = Clock()
+    control = AdmissionControl(2, 100, on_refused=refused.append, clock=clock)
+    control.admit([("big", 500)])  # nothing waits: a prompt larger than the token cap is still served
+    with pytest.raises(OverloadedError) as exc:
+        control.admit([("small", 1)])  # 500 tokens wait: past the token cap
+    assert exc.value.status == 503 and exc.value.headers == {"Retry-After": "1"}
+    assert "max_waiting_tokens 100" in str(exc.value)
+    control.started("big")
+    clock.now += 3.0
+    control.first_output("big")  # waited 3 s for its first token
+    control.admit([("a", 10)])
+    control.admit([("b", 10)])
+    with pytest.raises(OverloadedError, match="2 requests wait for their first token") as exc:
+        control.admit([("c", 10)])
+    assert exc.value.headers == {"Retry-After": "3"}  # the median wait of the admitted requests
+    with pytest.raises(OverloadedError):
+        control.admit([("d", 1), ("e", 1)])
+    assert refused == ["waiting_tokens", "waiting_requests", "waiting_requests"]
+    control.release("a")  # a request that ends (or fails, or is cancelled) before its first output
+    control.admit([("c", 10)])
+    assert set(control.waiting) == {"b", "c"}
+    # a reservation whose request never started (its client left before the stream began) is dropped in time
+    clock.now += STALE_RESERVATION_S + 1
+    control.started("c")
+    control.admit([("f", 10)])
+    assert set(control.waiting) == {"c", "f"}
+
+
+def test_without_caps_everything_is_admitted():
+    control = AdmissionControl(None, None)
+    for index in range(1000):
+        control.admit([(str(index), 10**6)])
+    assert not control.enabled and control.waiting == {}
+
+
+@pytest.fixture(scope="module")
+def bounded_server(tiny_llama):
+    # one request runs at a time: the others wait for their first token as long as it runs
+    srv = Server(
+        "--model",
+        tiny_llama,
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "32MiB",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "2",
+    )
+    yield srv
+    srv.stop()
+
+
+def test_an_overloaded_server_answers_503_with_retry_after_and_loses_nothing_it_accepted(bounded_server):
+    url = bounded_server.url + "/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "one two three", "temperature": 0, "ignore_eos": True}
+    running = threading.Event()
+    stop_running = threading.Event()
+
+    def long_stream():  # holds the only running slot until told to leave
+        with httpx.stream("POST", url, json={**body, "max_tokens": 1000, "stream": True}, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    running.set()
+                if stop_running.is_set():
+                    return  # closing the connection aborts it
+
+    answers: list = []
+
+    def waiting_call():
+        answers.append(httpx.post(url, json={**body, "max_tokens": 4}, timeout=120))
+
+    holder = threading.Thread(target=long_stream)
+    holder.start()
+    assert running.wait(60)
+    waiting = [threading.Thread(target=waiting_call) for _ in range(2)]
+    for thread in waiting:
+        thread.start()
+    # the two are admitted and wait behind the running request; a third call then finds the cap reached
+    assert wait_until(lambda: metric(bounded_server, "engine_num_requests_waiting") == 2.0, 30)
+    assert holder.is_alive()
+    refused = httpx.post(url, json={**body, "max_tokens": 4}, timeout=30)
+    assert refused.status_code == 503, refused.text
+    assert int(refused.headers["Retry-After"]) >= 1
+    error = refused.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and "max_waiting_requests 2" in error["message"]
+    assert metric(bounded_server, "engine_request_refused_total") >= 1
+    stop_running.set()
+    holder.join(60)
+    for thread in waiting:
+        thread.join(60)
+    # every accepted call was served in full
+    assert len(answers) == 2 and all(a.status_code == 200 for a in answers)
+    assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
+    # nothing stays reserved or in the KV cache: a new call is admitted and the cache empties
+    assert httpx.post(url, json={**body, "max_tokens": 4}, timeout=60).status_code == 200
+    assert wait_until(lambda: metric(bounded_server, "engine_kv_cache_usage_perc") == 0.0, 15)
