@@ -3,6 +3,7 @@ once with 503, Retry-After and an OpenAI error body, counts them in /metrics, an
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -127,3 +128,46 @@ def test_an_overloaded_server_answers_503_with_retry_after_and_loses_nothing_it_
     # nothing stays reserved or in the KV cache: a new call is admitted and the cache empties
     assert httpx.post(url, json={**body, "max_tokens": 4}, timeout=60).status_code == 200
     assert wait_until(lambda: metric(bounded_server, "engine_kv_cache_usage_perc") == 0.0, 15)
+
+
+def test_serve_bench_finds_the_sustainable_rate_and_counts_refusals_apart(bounded_server, tmp_path):
+    """`engine bench serve --request-rate x1,x4 --slo-ttft-ms`: a saturating run finds the sustainable rate, the
+    runs at its multiples report goodput and the calls the bounded server refused (503 + Retry-After), which are
+    not failures (exit code 0)."""
+    from tests.test_bench import engine, is_png
+
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    result = engine(
+        "bench",
+        "serve",
+        "--url",
+        bounded_server.url,
+        "--served-model",
+        MODEL_NAME,
+        "--num-prompts",
+        "16",
+        "--input-len",
+        "16",
+        "--output-len",
+        "24",
+        "--request-rate",
+        "x1,x4",
+        "--slo-ttft-ms",
+        "60000",
+        "--output",
+        str(out),
+        "--plot",
+        str(plot),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads(out.read_text())["runs"]
+    sustainable = runs[0]["sustainable_rate"]
+    assert sustainable > 0 and [r["rate_multiple"] for r in runs] == [1.0, 4.0]
+    assert [r["request_rate"] for r in runs] == pytest.approx([sustainable, 4 * sustainable])
+    for run in runs:
+        assert run["failed"] == 0 and run["completed"] + run["refused"] == 16
+        assert run["goodput"] == pytest.approx(run["completed"] / run["duration_s"])  # every TTFT within 60 s
+        assert run["slo_attained"] == pytest.approx(run["completed"] / 16)
+    # 16 calls at 4x the rate one running slot sustains, at most 2 waiting: the server refused some
+    assert runs[1]["refused"] > 0
+    assert is_png(plot) and is_png(tmp_path / "serve_goodput.png")

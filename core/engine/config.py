@@ -327,7 +327,7 @@ class ServerConfig(_Section):
         None,
         gt=0,
         description="bounded admission: most requests waiting for their first token; a call beyond it gets 503 "
-        "with Retry-After at once (unset: no bound; divided between the API servers)",
+        "with Retry-After at once (unset or none: no bound; divided between the API servers)",
     )
     max_waiting_tokens: Optional[int] = Field(
         None,
@@ -342,6 +342,12 @@ class ServerConfig(_Section):
         description="seconds that requests in flight get to finish after SIGTERM; then each gets a "
         "final error (a 503 body, or an error event on a stream) and the server exits",
     )
+
+    @field_validator("max_waiting_requests", "max_waiting_tokens", mode="before")
+    @classmethod
+    def _unbounded(cls, value: Any) -> Any:
+        """'none' / 'off' (a flag or an A/B variant: --max-waiting-requests 8,none) turns the bound off."""
+        return None if isinstance(value, str) and value.strip().lower() in ("none", "off", "null") else value
 
     @field_validator("max_request_body_bytes", mode="before")
     @classmethod
