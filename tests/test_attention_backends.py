@@ -81,7 +81,7 @@ def test_smollm2_greedy_with_triton_equals_torch():
     prompts = ["The capital of France is"]  # a prefill and two decode steps through 30 interpreted layers
     results = {}
     for backend in ("torch", "triton"):
-        llm = LLM(dtype="float32", attention=backend, kv_cache_memory="64MiB", max_model_len=512)
+        llm = LLM(dtype="float32", quantization="none", attention=backend, kv_cache_memory="64MiB", max_model_len=512)
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         results[backend] = [o.outputs[0].token_ids for o in outputs]
         llm.shutdown()

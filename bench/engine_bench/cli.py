@@ -166,8 +166,9 @@ def add_bench_parser(sub) -> None:
         "--request-rate",
         default="inf",
         help="requests per second (inf: all at once); a comma-separated list runs each rate in turn; x0.5,x1,x2,x4: "
-        "multiples of the sustainable rate, which a first run with the whole workload at once finds (requests "
-        "completed per second; with launched servers, on the first one, and the same rates for all)",
+        "multiples of the sustainable rate, which a first run with the whole workload at once finds (the first half "
+        "of its completions over their time; with launched servers, on the first one, so put an unbounded variant "
+        "first, and the same rates for all)",
     )
     srv.add_argument(
         "--slo-ttft-ms",
@@ -674,11 +675,15 @@ def _rate_multiples(text: str) -> Optional[list[float]]:
 
 
 def _sustainable_rate(probe) -> float:
-    """Requests/s the server completes when the whole workload arrives at once (``probe()``: that run's result)."""
+    """Requests/s the server completes while it is saturated: the whole workload sent at once (``probe()``: that
+    run's result), the first half of the completions over the time they took (the second half runs on an emptying
+    server, which would understate the rate)."""
     result = probe()
-    if not result["completed"]:
-        raise SystemExit(f"--request-rate x...: the saturating run completed nothing ({result['errors']})")
-    return result["completed"] / result["duration_s"]
+    done = sorted(result["e2e_s_all"])
+    if len(done) < 2:
+        raise SystemExit(f"--request-rate x...: the saturating run completed too little ({result['errors']})")
+    half = len(done) // 2
+    return half / done[half - 1]
 
 
 def cmd_serve(args) -> int:
