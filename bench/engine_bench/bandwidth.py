@@ -47,17 +47,15 @@ def model_bytes_per_token(model: torch.nn.Module) -> int:
     from engine.model.layers.linear import linear_layers
     from engine.model.layers.moe import moe_layers
 
-    total = 0
-    for layer in linear_layers(model):
-        packed = getattr(layer, "quant_weight", None)
-        total += packed.nbytes if packed is not None else layer.weight.numel() * layer.weight.element_size()
+    def stored(packed, weight: torch.Tensor) -> int:  # what the product reads: the packed blocks, else the weight
+        return packed.nbytes if packed is not None else weight.numel() * weight.element_size()
+
+    total = sum(stored(getattr(layer, "quant_weight", None), layer.weight) for layer in linear_layers(model))
     for moe in moe_layers(model):
-        for packed, weight in ((moe.quant_w13, moe.w13_weight), (moe.quant_w2, moe.w2_weight)):
-            total += packed.nbytes if packed is not None else weight.numel() * weight.element_size()
+        total += stored(moe.quant_w13, moe.w13_weight) + stored(moe.quant_w2, moe.w2_weight)
     head = getattr(model, "lm_head", None)
     if head is not None:
-        packed = getattr(head, "quant_weight", None)
-        total += packed.nbytes if packed is not None else head.weight.numel() * head.weight.element_size()
+        total += stored(getattr(head, "quant_weight", None), head.weight)
     return int(total)
 
 

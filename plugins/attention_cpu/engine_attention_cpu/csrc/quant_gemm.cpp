@@ -8,8 +8,8 @@
 // chosen at run time (and by measurement, in Python) among those the CPU has. The threads of a spin pool
 // (spin_pool.h: no wake-up per call within a decode step) split the output columns; a row's result does not
 // depend on the other rows.
-// `dequantize` / `dequantize_panels`: the float32 weight, plain or in the AVX2 GEMM's panel layout, for products
-// with many rows, where a float GEMM on the weight de-quantized once per call is faster.
+// `dequantized_linear`: the float32 GEMM's tile on the weight de-quantized one 16-row panel at a time, for products
+// with many rows, where it is faster than the integer dot; `dequantize`: the plain float32 weight (tests).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -270,29 +270,6 @@ void dequantize(torch::Tensor out, torch::Tensor data, c10::optional<torch::Tens
   });
 }
 
-// out [ceil(N/16), K, 16] float32: the AVX2 GEMM's panels (the last one zero-padded)
-void dequantize_panels(torch::Tensor out, torch::Tensor data, c10::optional<torch::Tensor> scales, int64_t format) {
-  const int64_t panels = out.size(0), k = out.size(1), n = data.size(0);
-  check_weight(data, scales, format, k);
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(2) == 16 &&
-                  panels == (n + 15) / 16, "out: [ceil(N/16), K, 16] float32");
-  const float* s = scales.has_value() ? scales->data_ptr<float>() : nullptr;
-  const uint8_t* w = static_cast<const uint8_t*>(data.data_ptr());
-  const int64_t row_bytes = data.size(1), padded = ((k + kBlock - 1) / kBlock) * kBlock;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(padded * 16);
-    for (int64_t p = begin; p < end; ++p) {
-      float* panel = out.data_ptr<float>() + p * k * 16;
-      std::fill(scratch.begin(), scratch.end(), 0.f);
-      for (int64_t c = 0; c < 16 && p * 16 + c < n; ++c) {
-        const int64_t r = p * 16 + c;
-        dequantize_row(w + r * row_bytes, static_cast<int>(format), k, s ? s[r] : 1.f, scratch.data() + c, 16);
-      }
-      std::memcpy(panel, scratch.data(), k * 16 * sizeof(float));
-    }
-  });
-}
-
 #ifdef ENGINE_AVX2
 // r[0..8) (8 floats each) transposed in place
 static inline void transpose8(__m256* r) {
@@ -332,7 +309,7 @@ static inline void dequantize_block(const uint8_t* blk, int format, float scale,
 }
 
 // Weight rows [16q, 16q + 16) as the GEMM's panel [K][16] (rows past n zero): 8 rows of a block at a time,
-// transposed in registers. The same values as dequantize_panels.
+// transposed in registers. The same values as dequantize_row.
 static void dequantize_panel(float* panel, const uint8_t* w, int64_t row_bytes, int format, int64_t k, int64_t n,
                              const float* scales, int64_t q) {
   const int64_t whole = k / kBlock, bytes = block_bytes(format), rows = std::min<int64_t>(16, n - q * 16);
@@ -365,7 +342,7 @@ static void dequantize_panel(float* panel, const uint8_t* w, int64_t row_bytes, 
 
 // out [M, N] = x @ W.T + bias for products with many rows: each 16-row panel of W de-quantized into the calling
 // thread's buffer (it stays in L2) and multiplied by every row of x at once by the float32 GEMM's tile; nothing
-// the size of W is written. The same bits as dequantize_panels followed by engine_cpu::linear.
+// the size of W is written. The same bits as the whole weight de-quantized, then engine_cpu::linear.
 void dequantized_linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
                         int64_t format, c10::optional<torch::Tensor> bias) {
 #ifdef ENGINE_AVX2
@@ -428,7 +405,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("variant"), py::arg("bias"),
         py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &engine_quant::dequantize, "out [N, K] float32 = W");
-  m.def("dequantize_panels", &engine_quant::dequantize_panels, "out [ceil(N/16), K, 16] float32 panels of W");
   m.def("dequantized_forward", &engine_quant::dequantized_forward,
         "x [..., K] -> x @ W.T (+ bias padded to 16) [..., N] in x's dtype, W de-quantized a panel at a time",
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("bias"), py::arg("out_features"),
