@@ -174,7 +174,8 @@ def test_killed_worker_raises_engine_dead_and_leaves_no_process(tiny_llama):
 
 def test_killed_worker_under_async_llm_fails_every_request(tiny_llama):
     async def run():
-        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", tensor_parallel_size=2))
+        # fail-stop (no restart): the engine is dead once its one core is (restarts: test_failover)
+        engine = AsyncLLM(VllmConfig.load(model=tiny_llama, dtype="float32", tensor_parallel_size=2, max_restarts=0))
         core = psutil.Process(engine.engine_core.proc.pid)
         workers = core.children()
         assert len(workers) >= 2
@@ -207,7 +208,7 @@ def test_killed_worker_under_async_llm_fails_every_request(tiny_llama):
 
 
 def test_killed_engine_core_process_raises_engine_dead(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", engine_core_process=True)
+    llm = LLM(tiny_llama, dtype="float32", engine_core_process=True, max_restarts=0)
     engine = llm.llm_engine
     engine.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=500, ignore_eos=True))
     engine.step()

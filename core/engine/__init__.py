@@ -27,6 +27,7 @@ __all__ = [
     "CONTRACT_VERSION",
     "EngineDeadError",
     "EngineGenerateError",
+    "EngineUnavailableError",
 ]
 __version__ = _installed_version()
 
@@ -40,7 +41,7 @@ def __getattr__(name):  # LLM pulls in torch and transformers: import it on firs
         from engine.frontend.async_llm import AsyncLLM
 
         return AsyncLLM
-    if name in ("EngineDeadError", "EngineGenerateError"):
+    if name in ("EngineDeadError", "EngineGenerateError", "EngineUnavailableError"):
         from engine import errors
 
         return getattr(errors, name)

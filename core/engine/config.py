@@ -188,6 +188,22 @@ class ParallelConfig(_Section):
         description="prefix_aware: a rank counts as overloaded when its load (waiting x 4 + running) "
         "exceeds the least loaded rank's by more than this; then the least loaded rank takes the request",
     )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="an engine core (of any DP rank) that dies or wedges is restarted, at most this many times "
+        "within restart_window_s (with a backoff of 1, 2, 4 ... s); one more death ends the server (with data "
+        "parallelism: that rank stays down while others serve). 0: fail-stop",
+    )
+    restart_window_s: float = Field(
+        600.0, gt=0, description="the window (seconds) in which max_restarts counts an engine core's restarts"
+    )
+    engine_stall_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="an engine core with requests in flight that sends nothing for this long is wedged: it is "
+        "killed (and restarted as one that died). 0: never",
+    )
 
     @property
     def world_size(self) -> int:

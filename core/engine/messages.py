@@ -132,6 +132,9 @@ class EngineCoreRequest(msgspec.Struct):
     eos_token_id: Optional[int]
     arrival_time: float
     cache_salt: Optional[str] = None
+    # a request migrated from a DP rank that died: the tokens it had already produced there (its client has
+    # them). The core takes it as a preempted request: it recomputes prompt + these, and samples on from them
+    resumed_output_token_ids: list[int] = []
 
 
 class UtilityCall(msgspec.Struct):
@@ -153,6 +156,14 @@ class EngineCoreOutputs(msgspec.Struct):
     scheduler_stats: Optional[SchedulerStats] = None
     utility_output: Optional[UtilityOutput] = None
     engine_error: Optional[str] = None  # set once, by a core that is going down
+    engine_index: int = 0  # the DP rank of the core that sent these
+
+
+class EngineReady(msgspec.Struct):
+    """A core's READY message (once loaded): its KV blocks and its pid (a restarted core has a new one)."""
+
+    num_blocks: int
+    pid: int
 
 
 class EngineLoad(msgspec.Struct):
@@ -195,7 +206,7 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
-    READY = b"\x04"  # core -> front end, once, on the input socket: the core is loaded and routable
+    READY = b"\x04"  # core -> front end, once, on the input socket: the core is loaded and routable (EngineReady)
 
 
 REQUEST_DECODERS: dict[EngineCoreRequestType, msgspec.msgpack.Decoder[Any]] = {
@@ -208,3 +219,4 @@ OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
 LOAD_DECODER = msgspec.msgpack.Decoder(EngineLoad)
 DP_STATE_DECODER = msgspec.msgpack.Decoder(DPState)
 ENCODER = msgspec.msgpack.Encoder()
+READY_DECODER = msgspec.msgpack.Decoder(EngineReady)

@@ -45,13 +45,14 @@ class DPRouter:
         self.summaries: list[Optional[PrefixSummary]] = [None] * self.num_ranks
         self.recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # block hash -> (rank, when routed)
         self.request_ranks: dict[str, int] = {}
+        self.up = [True] * self.num_ranks  # a rank whose core died is left out until it is back
         self.num_routed = [0] * self.num_ranks
         self.num_routed_by_prefix = 0
 
     # ---- state from the coordinator ------------------------------------------------------------------------
     def update(self, state: DPState) -> None:
         for rank, load in enumerate(state.loads[: self.num_ranks]):
-            if load is None:
+            if load is None or not self.up[rank]:  # a dead rank's last report is stale
                 continue
             self.waiting[rank], self.running[rank] = load.num_waiting, load.num_running
             if load.prefix_bits is not None and load.prefix_num_bits:
@@ -65,10 +66,24 @@ class DPRouter:
         ]
 
     # ---- routing --------------------------------------------------------------------------------------------
+    def mark_down(self, rank: int) -> None:
+        """``rank``'s core died: route nothing there, and forget what it held."""
+        self.up[rank] = False
+        self.summaries[rank] = None
+        self.waiting[rank] = self.running[rank] = self.sent_since_state[rank] = 0
+        for block_hash in [h for h, (r, _) in self.recent.items() if r == rank]:
+            del self.recent[block_hash]
+
+    def mark_up(self, rank: int) -> None:
+        self.up[rank] = True
+
     def route(self, request: EngineCoreRequest) -> int:
-        """The rank for ``request``; remembered until ``finished`` (or ``forget``)."""
+        """The rank for ``request`` among the ranks up (ValueError when none is); remembered until ``finished``."""
+        live = [r for r in range(self.num_ranks) if self.up[r]]
+        if not live:
+            raise ValueError("no DP rank is up")
         scores = self.scores()
-        least_loaded = min(range(self.num_ranks), key=lambda r: (scores[r], self.num_routed[r]))
+        least_loaded = min(live, key=lambda r: (scores[r], self.num_routed[r]))
         rank = least_loaded
         if self.policy == "prefix_aware" and self.prefix_caching:
             block_hashes: list[bytes] = []
@@ -84,7 +99,9 @@ class DPRouter:
         if not block_hashes:
             return least_loaded
         bar = scores[least_loaded] + self.slack
-        matches = {r: self.match_length(r, block_hashes) for r in range(self.num_ranks) if scores[r] <= bar}
+        matches = {
+            r: self.match_length(r, block_hashes) for r in range(self.num_ranks) if self.up[r] and scores[r] <= bar
+        }
         best = max(matches, key=lambda r: (matches[r], -scores[r]))
         if matches[best] == 0 or matches[best] < MIN_MATCH_FRACTION * len(block_hashes):
             return least_loaded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import Any, Optional
@@ -27,6 +28,7 @@ from engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequestType,
     EngineLoad,
+    EngineReady,
     EngineZmqAddresses,
     UtilityCall,
     UtilityOutput,
@@ -73,11 +75,12 @@ class EngineCoreProc(EngineCore):
         )
         self.request_clients: dict[str, int] = {}  # request id -> the front end that sent it
         self.running = True
-        ready = ENCODER.encode(self.kv_cache_config.num_blocks)
+        ready = ENCODER.encode(EngineReady(self.kv_cache_config.num_blocks, os.getpid()))
         for socket in self.input_sockets:  # also tells each front end's ROUTER this core's routing id
             socket.send_multipart([EngineCoreRequestType.READY.value, ready])
 
     def _send(self, outputs: EngineCoreOutputs, client: int = 0) -> None:
+        outputs.engine_index = self.dp_rank
         self.output_sockets[client].send(ENCODER.encode(outputs), copy=False)
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
@@ -93,7 +96,7 @@ class EngineCoreProc(EngineCore):
 
     def _send_last_words(self, error: str) -> None:
         """Tell every front end why this core is going down, without blocking if nobody listens any more."""
-        message = ENCODER.encode(EngineCoreOutputs([], engine_error=error))
+        message = ENCODER.encode(EngineCoreOutputs([], engine_error=error, engine_index=self.dp_rank))
         for socket in self.output_sockets:
             try:
                 socket.send(message, flags=zmq.NOBLOCK)

@@ -146,6 +146,7 @@ class EngineCore:
                     self.kv_cache_config.block_size,
                     request.cache_salt,
                     request.arrival_time,
+                    request.resumed_output_token_ids,
                 )
             )
         except Exception as exc:
@@ -159,6 +160,11 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.model_info.check_prompt_token_ids(request.prompt_token_ids)
+        if request.resumed_output_token_ids:  # a migrated request: its tokens so far, as a longer prompt
+            self.model_info.check_prompt_token_ids(request.prompt_token_ids + request.resumed_output_token_ids)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None and len(request.resumed_output_token_ids) >= max_tokens:
+                raise ValueError(f"a resumed request already has its max_tokens ({max_tokens}) tokens")
         vocab = self.model_info.vocab_size
         if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab:
             raise ValueError(f"eos_token_id must lie in [0, {vocab})")

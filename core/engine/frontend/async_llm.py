@@ -9,7 +9,7 @@ import threading
 from typing import AsyncGenerator, Optional, Union
 
 from engine.config import VllmConfig
-from engine.errors import EngineDeadError, EngineGenerateError
+from engine.errors import EngineDeadError, EngineGenerateError, EngineUnavailableError
 from engine.frontend.core_client import AsyncMPClient, RemoteEngines
 from engine.frontend.input_processor import PreparedRequest, PromptType, build_front_end
 from engine.messages import SchedulerStats
@@ -58,6 +58,11 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
+
+    def watch(self) -> None:
+        """Run the output handler from now on (call inside the event loop): it also watches the engine cores,
+        so a core that dies is restarted, and ``errored`` set, even while no request runs."""
+        self._ensure_output_handler()
 
     def _ensure_output_handler(self) -> None:
         if self.output_handler is None or self.output_handler.done():
@@ -116,7 +121,9 @@ class AsyncLLM:
         (then ``sampling_params`` are needed) or a ``PreparedRequest``, which is used as it is.
 
         Raises ValueError for a bad prompt or parameters, EngineGenerateError when the engine core could not
-        process this request (the engine serves the others), EngineDeadError when the engine is gone."""
+        process this request (the engine serves the others), EngineUnavailableError when no engine core is up
+        (restarting) or the request's core died with no other to take it over, EngineDeadError when the engine
+        is gone."""
         if self.dead_error:
             raise self.dead_error
         self._ensure_output_handler()
@@ -139,6 +146,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 if item.error is not None:  # the finally aborts its other sequences, if any
+                    lost = [self.engine_core.lost_reason(r.request_id) for r in prepared.requests]
+                    if any(lost):  # its engine core died with no other to take it over: retrying can succeed
+                        raise EngineUnavailableError(f"request {request_id} failed: {next(r for r in lost if r)}")
                     raise EngineGenerateError(f"request {request_id} failed in the engine: {item.error}")
                 finished = item.finished
                 yield item
@@ -162,10 +172,18 @@ class AsyncLLM:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
     async def check_health(self) -> None:
+        """Raise unless every engine core that is up answers (EngineUnavailableError: none is up)."""
         if self.dead_error:
             raise self.dead_error
         self._ensure_output_handler()
         await self.engine_core.call_utility_async("check_health")
+
+    def health(self) -> dict:
+        """Each DP rank's state (up, starting, down, given_up), core deaths, restarts and migrated requests."""
+        report = self.engine_core.health()
+        if self.dead_error:
+            report["status"], report["reason"] = "dead", str(self.dead_error)
+        return report
 
     def shutdown(self) -> None:
         if self.output_handler is not None:

@@ -11,6 +11,7 @@ import atexit
 import logging
 import multiprocessing
 import os
+from multiprocessing.process import BaseProcess
 from typing import Optional
 
 from engine.config import VllmConfig
@@ -52,32 +53,62 @@ class CoreEngineProcManager:
     """The engine cores of every DP rank and, with more than one, the DP coordinator: started, watched, stopped."""
 
     def __init__(self, vllm_config: VllmConfig, addresses: EngineZmqAddresses, ipc_dir: str):
-        from engine.engine_core.core_proc import EngineCoreProc
-
         self.ipc_dir = ipc_dir
-        spawn = multiprocessing.get_context("spawn")
-        log_level = logging.getLogger("engine").getEffectiveLevel()
+        self.vllm_config = vllm_config
+        self.addresses = addresses
+        self.log_level = logging.getLogger("engine").getEffectiveLevel()
         size = vllm_config.parallel.data_parallel_size
         self.coordinator = None
-        self.procs = []
+        self.procs: list[BaseProcess] = []
         self.exit_hook = shutdown_at_exit(self)  # a script that simply ends stops them too
         try:
             self.coordinator = start_dp_coordinator(size, addresses)
             for rank in range(size):
-                config = vllm_config.model_copy(deep=True)
-                config.parallel.data_parallel_rank = rank
-                # not a daemon: it starts worker processes of its own; it watches this process and ends with it
-                proc = spawn.Process(
-                    target=EngineCoreProc.run_engine_core,
-                    name="EngineCore" if size == 1 else f"EngineCore_DP{rank}",
-                    daemon=False,
-                    args=(config, addresses, log_level, os.getpid(), ipc_dir),
-                )
-                start_process(proc)
-                self.procs.append(proc)
+                self.procs.append(self._start_rank(rank))
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_rank(self, rank: int) -> BaseProcess:
+        from engine.engine_core.core_proc import EngineCoreProc
+
+        size = self.vllm_config.parallel.data_parallel_size
+        config = self.vllm_config.model_copy(deep=True)
+        config.parallel.data_parallel_rank = rank
+        # not a daemon: it starts worker processes of its own; it watches this process and ends with it
+        proc = multiprocessing.get_context("spawn").Process(
+            target=EngineCoreProc.run_engine_core,
+            name="EngineCore" if size == 1 else f"EngineCore_DP{rank}",
+            daemon=False,
+            args=(config, self.addresses, self.log_level, os.getpid(), self.ipc_dir),
+        )
+        start_process(proc)
+        return proc
+
+    def restart(self, rank: int) -> int:
+        """Start rank ``rank``'s engine core again (the old process is reaped first); its new pid."""
+        old = self.procs[rank]
+        stop_processes([old], grace=1)
+        proc = self._start_rank(rank)
+        self.procs[rank] = proc
+        return proc.pid or 0
+
+    def failed_ranks(self) -> dict[int, tuple[int, str]]:
+        """Ranks whose engine-core process ended: rank -> (its pid, why)."""
+        return {
+            rank: (
+                proc.pid or 0,
+                f"engine core {rank_name(rank, len(self.procs))}process ended ({describe_exit(proc)})",
+            )
+            for rank, proc in enumerate(self.procs)
+            if not proc.is_alive()
+        }
+
+    def coordinator_failure(self) -> Optional[str]:
+        """Why the DP coordinator is gone (the engine cannot route any more), or None."""
+        if self.coordinator is not None and not self.coordinator.is_alive():
+            return f"DP coordinator process ended ({describe_exit(self.coordinator)})"
+        return None
 
     @property
     def pids(self) -> list[int]:
@@ -89,7 +120,7 @@ class CoreEngineProcManager:
         """Why the engine cannot serve any more (a core or the coordinator ended), or None."""
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                return f"engine core {_rank_name(rank, len(self.procs))}process ended ({describe_exit(proc)})"
+                return f"engine core {rank_name(rank, len(self.procs))}process ended ({describe_exit(proc)})"
         if self.coordinator is not None and not self.coordinator.is_alive():
             return f"DP coordinator process ended ({describe_exit(self.coordinator)})"
         return None
@@ -106,17 +137,34 @@ class CoreEngineProcManager:
 
 
 class EngineProcWatch:
-    """Engine processes started by another process, watched by pid (``/proc``: a zombie counts as ended)."""
+    """Engine processes started by another process, watched by pid (``/proc``: a zombie counts as ended). A core
+    that the launcher restarted tells its new pid in its READY message (``update_pid``)."""
 
     def __init__(self, pids: list[int], data_parallel_size: int):
-        self.pids = pids
+        self.pids = list(pids)
         self.size = data_parallel_size
+
+    def update_pid(self, rank: int, pid: int) -> None:
+        self.pids[rank] = pid
+
+    def failed_ranks(self) -> dict[int, tuple[int, str]]:
+        return {
+            rank: (pid, f"engine core {rank_name(rank, self.size)}process (pid {pid}) ended")
+            for rank, pid in enumerate(self.pids[: self.size])
+            if not pid_alive(pid)
+        }
+
+    def coordinator_failure(self) -> Optional[str]:
+        for pid in self.pids[self.size :]:
+            if not pid_alive(pid):
+                return f"DP coordinator process (pid {pid}) ended"
+        return None
 
     def first_failure(self) -> Optional[str]:
         for index, pid in enumerate(self.pids):
             if not pid_alive(pid):
                 what = (
-                    f"engine core {_rank_name(index, self.size)}process"
+                    f"engine core {rank_name(index, self.size)}process"
                     if index < self.size
                     else "DP coordinator process"
                 )
@@ -141,5 +189,6 @@ def pid_alive(pid: int) -> bool:
             return True
 
 
-def _rank_name(rank: int, size: int) -> str:
+def rank_name(rank: int, size: int) -> str:
+    """``of DP rank R `` with data parallelism, nothing without (for messages)."""
     return f"of DP rank {rank} " if size > 1 else ""

@@ -134,6 +134,13 @@ class RayEngineCoreManager:
             return f"DP coordinator process ended ({describe_exit(self.coordinator)})"
         return None
 
+    def failed_ranks(self) -> dict[int, tuple[int, str]]:
+        """Ray-placed cores are not restarted one by one: any ended actor ends the engine (``coordinator_failure``)."""
+        return {}
+
+    def coordinator_failure(self) -> Optional[str]:
+        return self.first_failure()
+
     def join(self, timeout: float) -> None:
         import ray
 

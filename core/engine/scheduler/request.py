@@ -45,7 +45,10 @@ class Request:
         block_size: int,
         cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None,
+        resumed_output_token_ids: Optional[list[int]] = None,
     ):
+        """``resumed_output_token_ids``: tokens this request produced on another engine core (a DP rank that
+        died); it starts here as if preempted after them (prompt and these recomputed, sampling goes on)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -54,8 +57,8 @@ class Request:
         self.cache_salt = cache_salt
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(resumed_output_token_ids or [])
+        self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, once known
         self.num_preemptions = 0

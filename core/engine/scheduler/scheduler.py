@@ -90,7 +90,9 @@ class Scheduler:
         if constraint is not None:
             if self.structured_output_manager is None:
                 raise ValueError("this scheduler has no structured-output manager")
-            request.structured_output_request = self.structured_output_manager.request(constraint)
+            request.structured_output_request = self.structured_output_manager.request(
+                constraint, resumed_token_ids=request.output_token_ids
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.num_requests_received += 1

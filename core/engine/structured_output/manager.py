@@ -35,8 +35,15 @@ MAX_CACHED_GRAMMARS = 1024
 class StructuredOutputRequest:
     """A request's constraint: its compile (shared with every request of the same constraint) and its matcher."""
 
-    def __init__(self, params: StructuredOutputsParams, compiled: Future, manager: StructuredOutputManager):
+    def __init__(
+        self,
+        params: StructuredOutputsParams,
+        compiled: Future,
+        manager: StructuredOutputManager,
+        resumed_token_ids: Optional[list[int]] = None,
+    ):
         self.params = params
+        self.resumed_token_ids = list(resumed_token_ids or [])  # a migrated request's tokens: the matcher takes them
         self.compiled = compiled
         self.manager = manager
         self.grammar: Optional[StructuredOutputGrammar] = None
@@ -53,7 +60,11 @@ class StructuredOutputRequest:
             self.error = f"structured output ({self.params.kind}) failed to compile: {type(exc).__name__}: {exc}"
         else:
             assert self.manager.backend is not None  # it compiled the grammar
-            self.grammar = self.manager.backend.new_matcher(self.compiled.result())
+            grammar = self.manager.backend.new_matcher(self.compiled.result())
+            if self.resumed_token_ids and not grammar.accept_tokens(self.resumed_token_ids):
+                self.error = "structured output: the resumed tokens do not match the grammar"
+            else:
+                self.grammar = grammar
         return True
 
 
@@ -81,9 +92,11 @@ class StructuredOutputManager:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         logger.info("structured outputs: backend %s from %s", impl.name, impl.source)
 
-    def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """A request's constraint, its compile started (or found in the cache). Raises ConfigError when no
-        backend can run here."""
+    def request(
+        self, params: StructuredOutputsParams, resumed_token_ids: Optional[list[int]] = None
+    ) -> StructuredOutputRequest:
+        """A request's constraint, its compile started (or found in the cache); a migrated request's matcher
+        starts after ``resumed_token_ids``. Raises ConfigError when no backend can run here."""
         if self.backend is None:
             self._init_backend()
         key = (params.kind, params.spec())
@@ -97,7 +110,7 @@ class StructuredOutputManager:
                 self._cache[key] = future
                 while len(self._cache) > MAX_CACHED_GRAMMARS:
                     self._cache.popitem(last=False)
-        return StructuredOutputRequest(params, future, self)
+        return StructuredOutputRequest(params, future, self, resumed_token_ids)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         start = time.perf_counter()

@@ -54,6 +54,8 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
 
 
 async def _load_engine(app: FastAPI, serving: OpenAIServing) -> None:
+    """Load the engine, then watch it: once it is dead for good (no engine core up and none restarting, or the
+    DP coordinator gone), `engine serve` ends with exit status 1 and one line saying why."""
     try:
         await asyncio.to_thread(serving.load_engine)
         logger.info(
@@ -70,6 +72,19 @@ async def _load_engine(app: FastAPI, serving: OpenAIServing) -> None:
             if server is not None:  # `engine serve` exits non-zero instead of answering 503 forever
                 app.state.exit_code = 1
                 server.should_exit = True
+        return
+    engine = serving.engine
+    assert engine is not None  # loaded
+    engine.watch()  # its output handler notices cores dying (and restarts them) even while no request runs
+    while not serving.cancel_start.is_set():
+        if engine.errored:
+            logger.error("the engine cannot serve any more: %s: stopping the server", engine.dead_error)
+            server = getattr(app.state, "server", None)
+            if server is not None:
+                app.state.exit_code = 1
+                server.should_exit = True
+            return
+        await asyncio.sleep(0.25)
 
 
 def serve_on_socket(config: VllmConfig, sock: socket.socket, remote=None) -> int:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.entrypoints.openai.protocol import error_body
-from engine.errors import EngineDeadError, EngineGenerateError
+from engine.errors import EngineDeadError, EngineGenerateError, EngineUnavailableError
 
 logger = logging.getLogger("engine.server")
 
@@ -42,6 +42,10 @@ class APIError(Exception):
             return exc
         if isinstance(exc, ValueError):  # InvalidParameterError names its parameter; a plain ValueError does not
             return cls(str(exc), getattr(exc, "code", 400), getattr(exc, "param", None))
+        if isinstance(exc, EngineUnavailableError):
+            error = cls(str(exc), 503)
+            error.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+            return error
         if isinstance(exc, EngineDeadError):
             return cls(f"the engine is dead: {exc}", 503, err_type="EngineDeadError")
         if isinstance(exc, EngineGenerateError):
@@ -85,7 +89,7 @@ def install_exception_handlers(app: FastAPI) -> None:
     async def http_error(_, exc: StarletteHTTPException):
         return APIError(str(exc.detail), exc.status_code).response()
 
-    for exc_type in (APIError, ValueError, EngineDeadError, EngineGenerateError):
+    for exc_type in (APIError, ValueError, EngineDeadError, EngineGenerateError, EngineUnavailableError):
 
         async def known_error(request: Request, exc: Exception):
             return APIError.from_exception(exc, _request_id(request)).response()

@@ -3,8 +3,10 @@
 This process binds the port, starts the engine cores (one per DP rank) and the DP coordinator, then K
 API-server processes that inherit the socket (the kernel spreads connections over them) and each join every
 engine core as front end ``i``. It stays as their parent: SIGTERM / SIGINT drain the API servers, then stop
-the engine; an API server that dies takes the whole server down (exit status 1); an engine core that dies
-leaves the API servers answering 503 (``/health`` included), as one API server does.
+the engine; an API server that dies takes the whole server down (exit status 1). An engine core that dies is
+restarted here (``parallel.max_restarts``; each API server moves its requests to the ranks that are up and
+takes the rank back when the new core announces itself); one that cannot be restarted any more, with no other
+rank up, ends the server (exit status 1), as one API server does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from engine.lifetime import (
     watch_parent,
 )
 from engine.processes.core_launcher import CoreEngineProcManager, make_addresses
+from engine.processes.supervisor import EngineCoreSupervisor
 
 logger = logging.getLogger("engine.server")
 _WATCH_S = 0.5
@@ -85,7 +88,12 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
             config.server.port,
             config.parallel.data_parallel_size,
         )
+        supervisor = EngineCoreSupervisor(engines, config)
+        handled: set[tuple[int, int]] = set()
         while not stop.is_set():
+            if not _supervise(engines, supervisor, handled):
+                exit_code = 1
+                break
             ended = wait([p.sentinel for p in servers], _WATCH_S)
             if ended and not stop.is_set():
                 first = next(p for p in servers if p.sentinel in ended)
@@ -103,6 +111,26 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return exit_code
+
+
+def _supervise(engines: CoreEngineProcManager, supervisor: EngineCoreSupervisor, handled: set) -> bool:
+    """Restart the engine cores that died (as the policy allows); False when the engine cannot serve any more."""
+    fatal = engines.coordinator_failure()
+    if fatal is not None:
+        logger.error("the engine cannot serve any more: %s: stopping the server", fatal)
+        return False
+    for rank, (pid, reason) in sorted(engines.failed_ranks().items()):
+        if (rank, pid) not in handled:
+            handled.add((rank, pid))
+            supervisor.core_died(rank, reason)
+    restarted = supervisor.start_due_restarts()
+    down = engines.failed_ranks()
+    if len(down) == len(engines.procs) and not supervisor.due and not restarted:
+        logger.error(
+            "the engine cannot serve any more: %s: stopping the server", "; ".join(supervisor.given_up.values())
+        )
+        return False
+    return True
 
 
 def _stop_api_servers(servers: list[BaseProcess], grace: float) -> None:

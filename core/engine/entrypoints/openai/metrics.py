@@ -65,6 +65,14 @@ class ServerMetrics:
         self.moe_expert_tokens = rank_counter(
             "engine_moe_expert_tokens", "Tokens routed to each expert of each MoE layer", ["layer", "expert"]
         )
+        # faults: what this API server's view of the engine cores is (DP ranks up, deaths, restarts, migrations)
+        fault_gauge = lambda name, doc: Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+        self.dp_ranks_alive = fault_gauge("engine_dp_ranks_alive", "DP ranks whose engine core is up and routable")
+        self.core_deaths = fault_gauge("engine_core_deaths", "Engine cores that died or were killed as wedged")
+        self.core_restarts = fault_gauge("engine_core_restarts", "Engine cores restarted (by this process)")
+        self.requests_migrated = fault_gauge(
+            "engine_requests_migrated", "Requests moved to another DP rank when theirs died"
+        )
         self._model_name = model_name
         self._spec_seen: dict[str, SpecDecodingStats] = {}  # per DP rank: the totals already counted
         self._expert_seen: dict[str, dict[int, list[int]]] = {}  # per DP rank: the expert counts already counted
@@ -73,6 +81,13 @@ class ServerMetrics:
         """Set every engine-core series from ``get_stats()``: one per DP rank (``dp_rank`` label)."""
         for rank_stats in stats.per_rank or [stats]:
             self._update_rank(str(rank_stats.dp_rank or 0), rank_stats)
+
+    def update_from_health(self, report: dict) -> None:
+        """The fault gauges from ``AsyncLLM.health()``."""
+        self.dp_ranks_alive.set(report["dp_ranks_alive"])
+        self.core_deaths.set(report["engine_core_deaths"])
+        self.core_restarts.set(report["engine_core_restarts"] or 0)
+        self.requests_migrated.set(report["requests_migrated"])
 
     def _update_rank(self, rank: str, stats) -> None:
         labels = (self._model_name, rank)
