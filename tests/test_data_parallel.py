@@ -329,6 +329,19 @@ def test_served_dp2_behind_two_api_servers_then_a_rank_dies_and_comes_back(tiny_
         assert restarted.pid != names["EngineCore_DP1"].pid
         assert served_texts() == [o.outputs[0].text for o in reference]
         assert "restarting it in 1 s" in srv.output()
+        # the front-end counters are the server's, whichever API server answers (multiprocess metrics)
+        scraped = {}
+        for _ in range(40):
+            text = httpx.get(srv.url + "/metrics", timeout=30).text
+            api = text.split('engine_api_server_info{api_server="')[1].split('"')[0]
+            scraped[api] = [
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("engine_request_success_total{")
+            ]
+            if set(scraped) == {"0", "1"}:
+                break
+        assert scraped == {"0": [24.0], "1": [24.0]}, scraped
         procs += [restarted]
     finally:
         srv.stop()

@@ -190,8 +190,8 @@ class EngineCoreProc(EngineCore):
     def run_engine_core(
         vllm_config: VllmConfig, addresses: EngineZmqAddresses, log_level: int, parent_pid: int, ipc_dir: str
     ) -> None:
-        """Process entry point: ends with its parent from the first instant (loading included), and
-        removes the IPC folder on every exit path."""
+        """Process entry point: ends with its parent from the first instant (loading included); removes the
+        IPC folder when its parent is gone (a living parent removes it itself once it stops its cores)."""
         exit_on_sigterm()
         size = vllm_config.parallel.data_parallel_size
         set_process_name("EngineCore" if size == 1 else f"EngineCore_DP{vllm_config.parallel.data_parallel_rank}")
@@ -216,7 +216,8 @@ class EngineCoreProc(EngineCore):
                     core.shutdown()
                     core.ctx.destroy(linger=1000)
             finally:
-                remove_ipc_dir(ipc_dir)
+                if os.getppid() != parent_pid:  # the parent is gone (else it removes the folder when it stops:
+                    remove_ipc_dir(ipc_dir)  # a restarted core of this rank connects to its sockets meanwhile)
 
 
 class LoadReporter:

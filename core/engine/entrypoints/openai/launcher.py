@@ -23,6 +23,7 @@ from multiprocessing.process import BaseProcess
 
 from engine.config import VllmConfig
 from engine.entrypoints.openai.api_server import serve_on_socket
+from engine.entrypoints.openai.metrics import MULTIPROC_DIR_ENV
 from engine.frontend.core_client import RemoteEngines
 from engine.lifetime import (
     describe_exit,
@@ -62,6 +63,11 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
     config.parallel.engine_core_process = True
     ipc_dir = tempfile.mkdtemp(prefix="engine-ipc-")
     addresses = make_addresses(ipc_dir, count, config.parallel.data_parallel_size)
+    # the API servers count requests, tokens and latencies in one shared folder (prometheus-client's
+    # multiprocess mode): whichever answers /metrics shows the server's; set before they start (and import it)
+    metrics_dir = os.path.join(ipc_dir, "metrics")
+    os.makedirs(metrics_dir)
+    previous_metrics_dir = os.environ.get(MULTIPROC_DIR_ENV)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     engines = None
@@ -71,6 +77,7 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
         engines = CoreEngineProcManager(config, addresses, ipc_dir)
         spawn = multiprocessing.get_context("spawn")
         log_level = logging.getLogger("engine").getEffectiveLevel()
+        os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # the API servers' environment, not the engine cores'
         for index in range(count):
             remote = RemoteEngines(addresses, index, engines.pids)
             proc = spawn.Process(
@@ -107,7 +114,11 @@ def run_api_servers(config: VllmConfig, sock: socket.socket) -> int:
         _stop_api_servers(servers, config.server.shutdown_grace_period)
         if engines is not None:
             engines.shutdown()
-        remove_ipc_dir(ipc_dir)
+        remove_ipc_dir(ipc_dir)  # the metrics folder with it
+        if previous_metrics_dir is None:
+            os.environ.pop(MULTIPROC_DIR_ENV, None)
+        else:
+            os.environ[MULTIPROC_DIR_ENV] = previous_metrics_dir
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return exit_code

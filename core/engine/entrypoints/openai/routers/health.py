@@ -7,7 +7,6 @@ import logging
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import engine as engine_pkg
@@ -56,4 +55,4 @@ async def prometheus_metrics(serving: OpenAIServing = Depends(get_serving)):
             serving.metrics.update_from_stats(await asyncio.wait_for(engine.get_stats(), timeout=10))
         except Exception as exc:  # metrics must answer even if the engine cannot
             logger.warning("could not refresh engine stats: %s: %s", type(exc).__name__, exc)
-    return Response(generate_latest(serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
