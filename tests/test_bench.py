@@ -661,3 +661,42 @@ def test_decode_bandwidth_bound_counts_what_a_token_reads(smollm2_gguf, tiny_lla
     assert bandwidth["read_gb_s"] > 0 and bandwidth["triad_gb_s"] > 0 and bandwidth["threads"] >= 1
     shares = decode_shares(50.0, 10**8, {"read_gb_s": 20.0})
     assert shares == {"bytes_per_token": 10**8, "bandwidth_bound_tok_s": 200.0, "share_of_bandwidth": 0.25}
+
+
+def test_soak_drives_mixed_traffic_and_finds_no_leak_or_unintended_error(tiny_llama, tmp_path):
+    """The suite's short soak (docs/benchmarks.md has the 30-minute one): streams, plain calls, dropped streams
+    and hostile bodies for 20 s; the only errors are the intended ones, every KV block comes back, and the
+    samples cover the run."""
+    out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
+    result = engine(
+        "bench",
+        "soak",
+        "--duration",
+        "20s",
+        "--warmup",
+        "5s",
+        "--request-rate",
+        "5",
+        "--sample-interval",
+        "1",
+        "--num-prompts",
+        "16",
+        "--output",
+        str(out),
+        "--plot",
+        str(plot),
+        "--",
+        "--model",
+        tiny_llama,
+        "--max-model-len",
+        "1024",
+    )
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: a growth target missed (noise in 20 s)
+    report = json.loads(out.read_text())
+    assert report["unexpected_errors"] == 0, report["unexpected_examples"]
+    assert report["kv_blocks_all_back"] is True
+    assert report["hostile_refused"] >= 1 and report["cancelled"] >= 1, report
+    assert report["completed"] >= 1 and report["streamed"] >= 1, report
+    assert report["judged"] and len(report["samples"]) >= 10
+    assert all(s["processes"] >= 2 and s["open_fds"] > 0 for s in report["samples"])  # the server and its core
+    assert is_png(plot)

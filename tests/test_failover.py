@@ -154,6 +154,34 @@ def test_dp_ranks_killed_and_wedged_under_streaming_load_lose_and_repeat_no_toke
     assert wait_until(lambda: alive([psutil.Process(p) for p in pids if psutil.pid_exists(p)]) == [], 15)
 
 
+def test_offline_dp_llm_moves_a_killed_ranks_requests_and_gets_it_back(tiny_llama):
+    """``LLM(data_parallel_size=2)`` (the blocking client, whose reader thread does the failover): a rank killed
+    mid-generation; every request still ends with its full greedy sequence, and the rank is restarted."""
+    llm = LLM(tiny_llama, dtype="float32", data_parallel_size=2, data_parallel_routing="least_loaded")
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.llm_engine
+    client = engine.engine_core
+    ids = [engine.add_request(p, params) for p in prompts]
+    finished = {}
+    while not (all(client.up) and {e.rank for e in client.in_flight.values()} == {0, 1}):
+        for output in engine.step():
+            assert not output.finished, "a request finished before both ranks were busy"
+    first_pid = client.engines.pids[1]
+    os.kill(first_pid, signal.SIGKILL)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert output.error is None, output.error
+                finished[output.request_id] = output.outputs[0].token_ids
+    assert [finished[i] for i in ids] == alone
+    assert wait_until(lambda: client.health()["dp_ranks_alive"] == 2, 120, 0.2), client.health()
+    assert client.engines.pids[1] != first_pid and client.num_migrated >= 1
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
+    llm.shutdown()
+
+
 # ---- `engine serve` with one engine core ---------------------------------------------------------------
 def test_served_core_restarts_once_then_the_server_ends_when_its_budget_is_spent(tiny_llama, tmp_path):
     """DP=1, ``--max-restarts 1``: the core is stopped (SIGTERM: it exits through its own clean-up, which must

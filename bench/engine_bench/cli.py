@@ -199,6 +199,24 @@ def add_bench_parser(sub) -> None:
     )
     srv.set_defaults(func=cmd_serve)
 
+    soak = kinds.add_parser(
+        "soak",
+        help="launch `engine serve` (arguments after --) and drive it with mixed W1 traffic for a long time "
+        "(streams, plain calls, dropped streams, hostile bodies), sampling its processes' RSS, descriptors, "
+        "threads and KV-cache use; JSON verdict and a PNG of the samples",
+    )
+    soak.add_argument("--duration", default="30m", help="how long to send requests: 90s, 30m, 2h")
+    soak.add_argument("--request-rate", type=float, required=True, help="requests per second (Poisson arrivals)")
+    soak.add_argument(
+        "--warmup", default=None, help="the first part left out of the verdict (default: a tenth of --duration)"
+    )
+    soak.add_argument("--sample-interval", type=float, default=5.0, help="seconds between samples")
+    soak.add_argument("--num-prompts", type=int, default=256, help="W1 requests, sent in turn")
+    soak.add_argument("--output")
+    soak.add_argument("--plot", help="PNG: RSS, descriptors, threads and KV-cache usage over time")
+    soak.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments for the launched `engine serve`")
+    soak.set_defaults(func=cmd_soak)
+
 
 def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
     """Config overrides shared by all runs, and the A/B variants (label, overrides)."""
@@ -741,6 +759,72 @@ def cmd_serve(args) -> int:
     if args.plot and multiples and args.slo_ttft_ms is not None:
         _goodput_plot(args.plot.removesuffix(".png") + "_goodput.png", {"server": results}, args.slo_ttft_ms)
     return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def cmd_soak(args) -> int:
+    require_bench_extra("httpx", "psutil", *(["matplotlib"] if args.plot else []))
+    from engine_bench.serve_compare import launched
+    from engine_bench.soak import (
+        drive,
+        parse_duration,
+        plot_soak,
+        sample_processes,
+        verdict,
+        wait_drained,
+    )
+    from engine_bench.workloads import w1
+
+    duration = parse_duration(args.duration)
+    warmup = parse_duration(args.warmup) if args.warmup else duration / 10
+    _, variants, servers = engine_launches(args.serve_args)
+    if len(servers) != 1:
+        raise SystemExit("engine bench soak runs one server: give each config flag one value")
+    server = servers[0]
+    with launched(server) as url:
+        assert server.pid is not None  # launched
+        idle_before = sample_processes(server.pid)
+        counts, samples = asyncio.run(
+            drive(url, server.pid, w1(args.num_prompts), duration, args.request_rate, args.sample_interval)
+        )
+        drained = wait_drained(url)
+        idle_after = sample_processes(server.pid)
+    judged = verdict(samples, warmup)
+    kv_back = drained is not None and drained.get("engine_kv_cache_usage_perc") == 0
+    result = {
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "request_rate": args.request_rate,
+        "completed": counts.completed,
+        "streamed": counts.streamed,
+        "cancelled": counts.cancelled,
+        "hostile_refused": counts.hostile_refused,
+        "overloaded": counts.overloaded,
+        "unexpected_errors": len(counts.unexpected),
+        "unexpected_examples": counts.unexpected[:10],
+        "kv_blocks_all_back": kv_back,
+        "idle_before": idle_before,
+        "idle_after": idle_after,
+        **judged,
+    }
+    result["passed"] = bool(
+        judged.get("judged")
+        and judged["rss_ok"]
+        and judged["open_fds_ok"]
+        and judged["threads_ok"]
+        and kv_back
+        and not counts.unexpected
+    )
+    print(json.dumps(result, indent=1))
+    if args.output:
+        write_json(args.output, {"benchmark": "soak", "environment": environment(), **result, "samples": samples})
+    if args.plot:
+        plot_soak(
+            args.plot,
+            samples,
+            warmup,
+            f"engine bench soak: {args.request_rate:g} req/s for {args.duration} ({server.label})",
+        )
+    return 0 if result["passed"] else 1
 
 
 def _goodput_plot(path: str, runs: dict[str, list[dict]], slo_ttft_ms: float) -> None:

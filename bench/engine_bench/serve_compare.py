@@ -34,6 +34,7 @@ class ServerLaunch:
     env: dict[str, str] = field(default_factory=dict)
     port_flag: str = "--port"
     is_peer: bool = False
+    pid: Optional[int] = None  # once launched
 
 
 def free_port() -> int:
@@ -93,6 +94,7 @@ def launched(server: ServerLaunch, timeout_s: float = 900) -> Iterator[str]:
         env={**(peer_environment() if server.is_peer else os.environ), **server.env},
         start_new_session=True,
     )
+    server.pid = proc.pid
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

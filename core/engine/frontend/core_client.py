@@ -561,6 +561,9 @@ class SyncMPClient(MPClient, EngineCoreClient):
             pass  # the context was closed by shutdown
         except EngineDeadError as exc:
             self._fail(str(exc))
+        except Exception as exc:  # a bug here must not leave the caller waiting for outputs forever
+            logger.exception("engine-core output reader failed")
+            self._fail(f"output reader failed: {type(exc).__name__}: {exc}")
 
     def _read_loop(self) -> None:
         poller = zmq.Poller()
