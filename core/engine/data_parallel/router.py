@@ -44,7 +44,6 @@ class DPRouter:
         self.sent_since_state = [0] * self.num_ranks
         self.summaries: list[Optional[PrefixSummary]] = [None] * self.num_ranks
         self.recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # block hash -> (rank, when routed)
-        self.request_ranks: dict[str, int] = {}
         self.up = [True] * self.num_ranks  # a rank whose core died is left out until it is back
         self.num_routed = [0] * self.num_ranks
         self.num_routed_by_prefix = 0
@@ -78,7 +77,8 @@ class DPRouter:
         self.up[rank] = True
 
     def route(self, request: EngineCoreRequest) -> int:
-        """The rank for ``request`` among the ranks up (ValueError when none is); remembered until ``finished``."""
+        """The rank for ``request`` among the ranks up (ValueError when none is). Which rank serves which request
+        is the client's to remember (``MPClient.in_flight``)."""
         live = [r for r in range(self.num_ranks) if self.up[r]]
         if not live:
             raise ValueError("no DP rank is up")
@@ -92,7 +92,6 @@ class DPRouter:
             self._remember(block_hashes, rank)
         self.sent_since_state[rank] += 1
         self.num_routed[rank] += 1
-        self.request_ranks[request.request_id] = rank
         return rank
 
     def _prefix_rank(self, block_hashes: list[bytes], scores: list[int], least_loaded: int) -> int:
@@ -128,10 +127,3 @@ class DPRouter:
             self.recent.move_to_end(block_hash)
         while len(self.recent) > RECENT_CAPACITY:
             self.recent.popitem(last=False)
-
-    # ---- bookkeeping ----------------------------------------------------------------------------------------
-    def rank_of(self, request_id: str) -> Optional[int]:
-        return self.request_ranks.get(request_id)
-
-    def finished(self, request_id: str) -> None:
-        self.request_ranks.pop(request_id, None)

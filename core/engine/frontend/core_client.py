@@ -268,8 +268,6 @@ class MPClient:
             self.last_heard[rank] = time.monotonic()
 
     def _untrack(self, request_id: str) -> Optional[InFlightRequest]:
-        if self.router is not None:
-            self.router.finished(request_id)
         return self.in_flight.pop(request_id, None)
 
     def _ranks_of(self, request_ids: list[str]) -> dict[int, list[str]]:
@@ -383,7 +381,6 @@ class MPClient:
         entry.request = msgspec.structs.replace(request, resumed_output_token_ids=resumed, sampling_params=params)
         entry.delivered = []
         assert self.router is not None  # only DP has another rank
-        self.router.finished(request.request_id)
         rank = self.router.route(entry.request)
         self._note_busy(rank)
         entry.rank = rank
