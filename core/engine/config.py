@@ -91,6 +91,12 @@ class ModelConfig(_Section):
         "kernels replay a captured decode step where they can (vLLM's flag; the eager "
         "path is the reference the capture is tested against)",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="a request's tokens and logprobs are the same bits alone or in any batch, chunking, cache "
+        "hit or preemption (every product on one row-invariant kernel, every query token through one attention "
+        "kernel); needs layer kernels and an attention backend that support it (docs/batch_invariance.md)",
+    )
     seed: int = Field(0, description="seed of the global random generator")
     served_model_name: Optional[str] = Field(None, description="model name reported by the API")
     max_logprobs: int = Field(20, ge=0, description="most logprobs / prompt_logprobs a request may ask for")
@@ -315,6 +321,28 @@ class DeviceConfig(_Section):
     )
 
 
+class ObservabilityConfig(_Section):
+    """What the engine keeps for later: the flight recorder that ``engine replay`` runs again."""
+
+    flight_recorder: Optional[str] = Field(
+        None,
+        description="folder where each engine core records the requests it accepted, every step's schedule and "
+        "results (tokens, logprobs, finish reasons), for engine replay (docs/flight_recorder.md); off when empty",
+    )
+    flight_recorder_max_bytes: Union[str, int] = Field(
+        256 * 1024**2, description="most bytes of segments kept per engine core (oldest dropped; accepts 1GiB)"
+    )
+    _recorder_bytes = field_validator("flight_recorder_max_bytes", mode="before")(
+        classmethod(lambda cls, value: positive_bytes(value))
+    )
+
+    @field_validator("flight_recorder", mode="before")
+    @classmethod
+    def _off(cls, value: Any) -> Any:
+        """'', 'none' or 'off' (an A/B variant: --ab flight_recorder=off,DIR) records nothing."""
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none", "off", "null") else value
+
+
 class StructuredOutputsConfig(_Section):
     """Structured outputs: the grammar backend that enforces json / regex / choice / grammar constraints."""
 
@@ -385,6 +413,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "server": ServerConfig,
     "speculative": SpeculativeConfig,
     "structured_outputs": StructuredOutputsConfig,
+    "observability": ObservabilityConfig,
 }
 # whole sections under a second name, as vLLM spells them (`--speculative-config '{"method": "ngram"}'`)
 SECTION_ALIASES = {"speculative_config": "speculative", "structured_outputs_config": "structured_outputs"}
@@ -434,6 +463,7 @@ class VllmConfig(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
 
     @model_validator(mode="after")
     def _combinations(self) -> VllmConfig:

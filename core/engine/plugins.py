@@ -72,8 +72,13 @@ class Implementation:
                 f"{self.cls!r} is not a subclass of {base.__module__}.{base.__qualname__}, as a {self.kind} must be"
             ]
         pluggable: Any = self.cls  # a subclass of the kind's base: it states its own reasons
+        reasons = []
+        # kinds whose parts decide a request's bits (attention, layer kernels) declare batch invariance
+        why_not_invariant = getattr(pluggable, "batch_invariant_unsupported_reason", None)
+        if why_not_invariant and ctx.config.model.batch_invariant:
+            reasons.append(f"batch_invariant: {why_not_invariant}")
         try:
-            return list(pluggable.unavailable_reasons(ctx))
+            return reasons + list(pluggable.unavailable_reasons(ctx))
         except Exception as exc:  # a plugin's check must not take the engine down
             return [f"availability check raised {type(exc).__name__}: {exc}"]
 

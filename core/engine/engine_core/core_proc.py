@@ -208,6 +208,8 @@ class EngineCoreProc(EngineCore):
             pass
         except BaseException as exc:
             logger.error("engine core died: %s\n%s", exc, traceback.format_exc())
+            if core is not None and core.recorder is not None:
+                core.recorder.incident(f"engine core died: {type(exc).__name__}")
             if core is not None:
                 core._send_last_words(f"{type(exc).__name__}: {exc}")
         finally:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from engine.config import ConfigError, VllmConfig
+from engine.engine_core.flight_recorder import FlightRecorder, recording_header
 from engine.errors import EngineDeadError
 from engine.hookspecs import KINDS
 from engine.interfaces.base import SelectionContext
@@ -131,10 +132,21 @@ class EngineCore:
             ThreadPoolExecutor(1, thread_name_prefix="execute") if vllm_config.scheduler.async_scheduling else None
         )
         self.batch_queue_size = 2 if self.exec_thread is not None else self.executor.max_concurrent_batches
+        observability = vllm_config.observability
+        self.recorder: Optional[FlightRecorder] = None
+        if observability.flight_recorder:
+            self.recorder = FlightRecorder(
+                observability.flight_recorder,
+                int(observability.flight_recorder_max_bytes),  # validated into bytes
+                recording_header(vllm_config, self.plugins),
+            )
+            logger.info("flight recorder: recording into %s", self.recorder.folder)
         freeze_gc_heap()
         logger.info("engine core ready in %.1fs", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.recorder is not None:
+            self.recorder.request_added(request)
         try:
             self._check_request(request)
             self.scheduler.add_request(
@@ -171,6 +183,9 @@ class EngineCore:
         request.sampling_params.validate_for_model(vocab, self.vllm_config.model.max_logprobs)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        if self.recorder is not None:
+            self.recorder.requests_aborted(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
@@ -181,10 +196,14 @@ class EngineCore:
             raise
         except Exception as exc:
             outputs = self._recover_from_failed_step(exc)
+            if self.recorder is not None and outputs.outputs:
+                self.recorder.step_done({}, {}, outputs.outputs)
         if self.scheduler.error_outputs:
             self.error_outputs += self.scheduler.error_outputs
             self.scheduler.error_outputs = []
         if self.error_outputs:
+            if self.recorder is not None:
+                self.recorder.step_done({}, {}, self.error_outputs)
             outputs.outputs[:0], self.error_outputs = self.error_outputs, []
         elif not outputs.outputs and self.scheduler.num_waiting_for_grammar():
             time.sleep(0.0005)  # only grammars compiling: leave the compile thread the CPU instead of spinning
@@ -198,6 +217,7 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.in_flight.clear()
+        self._record(scheduler_output, outputs)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
@@ -223,7 +243,14 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, future.result())
         self.batch_queue.popleft()
         self.in_flight.remove(scheduler_output)
+        self._record(scheduler_output, outputs)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def _record(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
+        if self.recorder is not None:
+            self.recorder.step_done(
+                scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens, outputs
+            )
 
     def _recover_from_failed_step(self, exc: Exception) -> EngineCoreOutputs:
         """Pin a step's failure on its requests: one request fails; several are rolled back and isolated."""
@@ -278,6 +305,8 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
         self.structured_output_manager.shutdown()
         if self.exec_thread is not None:
             self.exec_thread.shutdown(wait=True)

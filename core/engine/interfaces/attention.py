@@ -41,7 +41,13 @@ class CommonAttentionMetadata:
 
 
 class AttentionMetadataBuilder(ABC):
-    """Turns the common metadata into the backend's own tensors, once per step."""
+    """Turns the common metadata into the backend's own tensors, once per step.
+
+    ``batch_invariant`` (set by the model runner after construction when ``model.batch_invariant`` is on, on backends
+    that support it): every query token must then be attended by the same computation whatever the step holds (no
+    prompt path beside the decode path, no split of the context that depends on the batch)."""
+
+    batch_invariant: bool = False
 
     def __init__(
         self, options: dict[str, Any], device: torch.device, block_size: int, sliding_window: Optional[int] = None
@@ -140,6 +146,9 @@ class AttentionBackend(Pluggable):
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     mla_unsupported_reason: ClassVar[str] = "it has no MLA implementation"
+    # why this backend cannot attend a token the same way in any batch (model.batch_invariant; selection refuses it
+    # with this reason when the setting is on); None: it can
+    batch_invariant_unsupported_reason: ClassVar[Optional[str]] = "it does not declare batch-invariant attention"
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ implementation may return new tensors or write in place where the method says it
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
@@ -56,6 +56,10 @@ class CapturedDecodeStep:
 class LayerKernels(Pluggable):
     """Kernels for RMSNorm, SiLU-and-multiply, rotary embeddings and the linear layers' products;
     chosen by ``device.layer_kernels``."""
+
+    # why these kernels cannot keep a row's results independent of the other rows of a product (model.batch_invariant;
+    # selection refuses them with this reason when the setting is on); None: they can, once configure() read it
+    batch_invariant_unsupported_reason: ClassVar[Optional[str]] = "they do not declare batch-invariant kernels"
 
     @classmethod
     def serves_packed_weights(cls) -> bool:

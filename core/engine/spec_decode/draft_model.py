@@ -100,6 +100,7 @@ class DraftModelProposer(Proposer):
             layer.kv_cache = torch.zeros(shape, dtype=info.dtype, device=self.device)
             layer.kv_cache_group = 0
         self.builder = backend.get_builder_cls()(self.vllm_config.attention.options, self.device, self.block_size, None)
+        self.builder.batch_invariant = self.vllm_config.model.batch_invariant
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         logger.info("draft model %s loaded: %d KV blocks of its own", spec.draft_model, num_blocks)
 

@@ -165,14 +165,14 @@ class ModelRunner:
             builder_cls = (
                 MambaMetadataBuilder if isinstance(group.spec, MambaSpec) else self.attention_backend.get_builder_cls()
             )
-            self.builders.append(
-                builder_cls(
-                    self.vllm_config.attention.options,
-                    self.device,
-                    group.spec.block_size,
-                    getattr(group.spec, "sliding_window", None),
-                )
+            builder = builder_cls(
+                self.vllm_config.attention.options,
+                self.device,
+                group.spec.block_size,
+                getattr(group.spec, "sliding_window", None),
             )
+            builder.batch_invariant = self.vllm_config.model.batch_invariant
+            self.builders.append(builder)
         self.input_batch = InputBatch(
             self.vllm_config.scheduler.max_num_seqs,
             self.model_info.max_model_len,
@@ -555,6 +555,13 @@ class ModelRunner:
         # the sampler runs where its token can be emitted: every position of a greedy row (its argmax), the
         # bonus position of a sampled row (the others draw from the rejection rule)
         greedy_positions = batch.sampling_column("temperature")[position_rows] < GREEDY_EPS
+        if self.vllm_config.model.batch_invariant:
+            # coupled rule: every position draws as plain sampling would (its own counter), and drafts are kept
+            # while they equal those draws: for drafts that are guesses (q a point mass) this keeps d with
+            # probability p(d) and otherwise emits a draw of p without d, the rejection rule's law exactly, and
+            # the tokens are those of the same request sampled without speculation
+            greedy_positions = np.ones(len(position_rows), dtype=bool)
+            greedy = torch.ones_like(greedy)
         wanted = np.nonzero(greedy_positions | (offsets == np.repeat(num_drafts, num_drafts + 1)))[0]
         sampled = torch.full((len(position_rows),), -1, dtype=torch.int64)
         sampled[torch.from_numpy(wanted)] = self.sampler(

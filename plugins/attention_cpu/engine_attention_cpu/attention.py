@@ -36,16 +36,20 @@ class CpuAttentionMetadata:
 MAX_DECODE_LIKE_QUERY = 16
 
 
-def split_decode_like(common: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
-    """Rows with one query token or a few past a computed context (decode kernel), and the other rows."""
+def split_decode_like(common: CommonAttentionMetadata, every_row: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with one query token or a few past a computed context (decode kernel), and the other rows;
+    ``every_row`` (batch-invariant): every row attends through the decode kernel, one decode row per query token, so
+    a token's attention is the same sums whether it is decoded, verified or part of a prompt chunk of any size."""
     query_lens = np.diff(common.query_start_loc_np)
+    if every_row:
+        return np.arange(len(query_lens)), np.arange(0)
     decode_like = (query_lens == 1) | ((query_lens <= MAX_DECODE_LIKE_QUERY) & (common.num_computed_tokens_np > 0))
     return np.nonzero(decode_like)[0], np.nonzero(~decode_like)[0]
 
 
 class CpuAttentionMetadataBuilder(TorchAttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:  # type: ignore[override]  # its own
-        decode_rows, prefill_rows = split_decode_like(common)
+        decode_rows, prefill_rows = split_decode_like(common, self.batch_invariant)
         indices = table = lens = None
         all_decode = len(prefill_rows) == 0
         if len(decode_rows):
@@ -171,6 +175,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     priority = 10
     supported_devices = ("cpu",)
+    batch_invariant_unsupported_reason = None  # every token through the decode kernel: one pass per (row, KV head)
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -54,6 +54,7 @@ class CpuLayerKernels(NativeLayerKernels):
 
     name = "cpu"
     priority = 10
+    batch_invariant_unsupported_reason = None  # the GEMM and the integer-dot kernels: each row its own sums
 
     def __init__(self):
         super().__init__()
@@ -72,6 +73,8 @@ class CpuLayerKernels(NativeLayerKernels):
             reasons.append(f"runs on the CPU only (device is {ctx.device})")
         if any(importlib.util.find_spec(f"engine_attention_cpu.{ext}") is None for ext in ("_layers", "_gemm")):
             reasons.append("its C++ kernels are not built (pip install --no-build-isolation plugins/attention_cpu)")
+        elif ctx.config.model.batch_invariant and not cpu_gemm_available():
+            reasons.append("batch_invariant: its GEMM needs AVX2 and FMA, which this CPU lacks")
         return reasons
 
     @classmethod
@@ -106,8 +109,10 @@ class CpuLayerKernels(NativeLayerKernels):
         return candidates
 
     def fixed_product(self, weight, bias=None):
-        """The AVX2 GEMM for float32 weights on the CPU; oneDNN's product where the CPU lacks AVX2."""
-        if not (self._gemm and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2):
+        """The AVX2 GEMM for float32 weights on the CPU (batch-invariant: for 16-bit ones too, widened into its
+        panels); oneDNN's product where the CPU lacks AVX2."""
+        floats = (torch.float32,) + ((torch.bfloat16, torch.float16) if self.batch_invariant else ())
+        if not (self._gemm and weight.device.type == "cpu" and weight.dtype in floats and weight.dim() == 2):
             return super().fixed_product(weight, bias)
         return CpuPackedLinear(weight, bias)
 
@@ -118,6 +123,8 @@ class CpuLayerKernels(NativeLayerKernels):
         if not (w13.device.type == "cpu" and self._has_moe and w13.shape[0] > 0):
             return super().pack_experts(w13, w2)
         dtype = onednn_dtype(w13.dtype)
+        if self.batch_invariant:  # the AVX2 GEMM for every product: a row's sums never depend on the row count
+            return CpuFusedExperts(w13, w2, NEVER, dtype)
         key = (tuple(w13.shape[1:]), tuple(w2.shape[1:]), dtype)
         if key not in self._expert_kinds:
             min_rows, timings = measure_onednn_min_rows(w13, w2, dtype, self._gemm)
@@ -141,6 +148,8 @@ class CpuLayerKernels(NativeLayerKernels):
             return super().pack_quantized_experts(w13, w2)
         runnable = [name for name, ok in variants().items() if ok]
         variant = runnable[-1]  # the widest: variants() lists them scalar first
+        if self.batch_invariant:  # integer dot products for every product, whatever its rows
+            return CpuQuantizedExperts(w13, w2, variant, NEVER)
         key = (w13.format, w13.shape[1:], w2.shape[1:], variant)
         if key not in self._expert_kinds:
             min_rows, timings = measure_dequant_min_rows(w13, w2, variant, self._gemm)

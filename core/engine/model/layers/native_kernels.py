@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,7 @@ from engine.interfaces.layer_kernels import LayerKernels
 from engine.model.layers.gemm import native_product_candidates, onednn_packed_linear, widen_gemm_weights
 from engine.model.layers.packing import pack_linear_layers, pack_moe_layers, quantized_product
 from engine.model.layers.product_choice import (
+    ROW_BUCKETS,
     ProductCandidate,
     ProductTable,
     bucketed_product,
@@ -27,11 +28,16 @@ class NativeLayerKernels(LayerKernels):
 
     name = "native"
     priority = 0
+    batch_invariant_unsupported_reason: ClassVar[Optional[str]] = (
+        "torch's products (oneDNN, MKL) sum in an order that depends on the row count; the cpu layer kernels' "
+        "GEMM does not"
+    )
 
     def __init__(self):
         # the last step's (positions, cos table, cos rows, sin rows): gathered once per forward, not per layer
         self._rope_rows: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self.kernel_cache = True
+        self.batch_invariant = False  # every product on one row-invariant kernel (model.batch_invariant)
         self.product_table: Optional[ProductTable] = None
         self._candidates: dict[str, ProductCandidate] = {}
         self.quantized_tables: dict[str, ProductTable] = {}  # format -> the products chosen for its weights
@@ -39,18 +45,21 @@ class NativeLayerKernels(LayerKernels):
 
     def configure(self, vllm_config) -> None:
         self.kernel_cache = vllm_config.device.kernel_cache
+        self.batch_invariant = vllm_config.model.batch_invariant
 
     def process_weights_after_loading(self, model, dtype, device):
         """CPU policy: on a CPU without native ``dtype`` GEMMs the linear weights are kept in float32; then the
         candidate products (``product_candidates``) are timed on the model's weight shapes (or the timing is read
-        from the disk cache) and every layer gets the fastest per row bucket."""
+        from the disk cache) and every layer gets the fastest per row bucket. Batch-invariant: each layer gets one
+        product for every row count, ``fixed_product`` for float weights, the candidate fastest on a decode batch
+        (64 rows) for packed ones (kernels that run batch-invariant offer only row-invariant packed products)."""
         widened = widen_gemm_weights(model, dtype, device)
         if device.type == "cpu":
             candidates = self.product_candidates(dtype)
             self._candidates = {c.name: c for c in candidates}
             weight_dtype = torch.float32 if widened else dtype
             shapes = model_shapes(model)
-            if shapes:
+            if shapes and not self.batch_invariant:
                 self.product_table = choose_products(
                     shapes, candidates, dtype, weight_dtype, use_cache=self.kernel_cache
                 )
@@ -86,6 +95,8 @@ class NativeLayerKernels(LayerKernels):
         if table is not None:
             key = "x".join(map(str, weight.shape))
             choice = table.choices.get(key) or table.choices.get(key + " head")
+            if choice is not None and self.batch_invariant:  # one product for every row count: the decode batch's
+                return candidates[choice.chosen[ROW_BUCKETS[1].name]].make(weight, bias)
             if choice is not None:
                 return bucketed_product(choice, candidates, weight, bias)
         return next(iter(candidates.values())).make(weight, bias)
@@ -102,7 +113,8 @@ class NativeLayerKernels(LayerKernels):
         return self.fixed_product(weight, bias)
 
     def fixed_product(self, weight, bias=None):
-        """oneDNN's packed float32 product on CPUs (:class:`~engine.model.layers.gemm.PackedLinear`)."""
+        """oneDNN's packed float32 product on CPUs (:class:`~engine.model.layers.gemm.PackedLinear`); kernels that
+        run batch-invariant return a row-invariant product here for every float weight."""
         return onednn_packed_linear(weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -72,6 +72,44 @@ def test_packed_products_equal_the_plain_product(kernels):
         torch.testing.assert_close(product(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batch_invariant_products_give_each_row_the_bits_it_gets_alone(layer_kernels_name, dtype):
+    """Kernels that declare batch invariance (``batch_invariant_unsupported_reason = None``): once configured with
+    ``model.batch_invariant``, every product they pack for float weights and every product they offer on packed ones
+    (k long enough for several chunks) gives a row the same bits at every row count; the norms and activations
+    too."""
+    from engine.config import VllmConfig
+    from engine.model.quant_formats import quantize
+
+    impl = implementation("layer_kernels", layer_kernels_name)
+    if impl.cls.batch_invariant_unsupported_reason is not None:
+        pytest.skip(
+            f"'{layer_kernels_name}' does not run batch-invariant: {impl.cls.batch_invariant_unsupported_reason}"
+        )
+    kernels = implementation("layer_kernels", layer_kernels_name, batch_invariant=True).create()
+    kernels.configure(VllmConfig.load(batch_invariant=True))
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(72, 1216, generator=gen) * 0.05, torch.randn(72, generator=gen)
+    x = torch.randn(300, 1216, generator=gen).to(dtype)
+    products = {"float": kernels.pack_linear(weight.to(dtype), bias.to(dtype))}
+    packed = quantize(weight, "q4_1")
+    if hasattr(kernels, "quantized_product_candidates"):  # any of them may be the one measured fastest
+        for candidate in kernels.quantized_product_candidates("q4_1"):
+            products[candidate.name] = candidate.make(packed, bias)
+    norm_weight = torch.rand(1216, generator=gen).to(dtype) + 0.5
+    ops = {
+        **{name: p for name, p in products.items() if p is not None},
+        "rms_norm": lambda rows: kernels.rms_norm(rows, norm_weight, 1e-6),
+        "silu_and_mul": kernels.silu_and_mul,
+    }
+    for name, op in ops.items():
+        whole = op(x.clone())
+        for rows in (1, 2, 3, 4, 5, 7, 64, 299):
+            part = op(x[:rows].clone())
+            assert torch.equal(part, whole[:rows]), f"{name}: rows 0..{rows} differ from the {len(x)}-row call"
+        assert torch.equal(op(x[150:151].clone()), whole[150:151]), f"{name}: row 150 alone differs"
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int8"])
 def test_quantized_products_match_dequantize_then_multiply(kernels, fmt):
     """Every product the kernels offer on packed weights (``quantized_product_candidates``) equals the de-quantized

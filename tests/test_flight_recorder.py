@@ -1,0 +1,198 @@
+"""The flight recorder (``observability.flight_recorder``) and ``engine replay``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.engine_core.flight_recorder import (
+    AbortRecord,
+    RecordingHeader,
+    RequestRecord,
+    StepRecord,
+    read_recording,
+    read_segment,
+)
+from engine.entrypoints.replay import run_replay
+from engine.testing.models import random_prompts
+
+MODEL = dict(hidden_size=96, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+PROMPTS = random_prompts(8, (5, 90), seed=31)
+
+
+def params(index: int, max_tokens: int = 16) -> SamplingParams:
+    if index % 3 == 0:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
+    if index % 3 == 1:
+        return SamplingParams(temperature=0.9, seed=index, max_tokens=max_tokens, logprobs=2)
+    return SamplingParams(temperature=0.7, seed=index, max_tokens=max_tokens, n=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_tiny_model) -> str:
+    return make_tiny_model(**MODEL)
+
+
+def record(model_dir: str, folder: Path, prompts=PROMPTS, max_tokens: int = 16, **config) -> list:
+    llm = LLM(model_dir, dtype="float32", flight_recorder=str(folder), **config)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], [params(i, max_tokens) for i in range(len(prompts))], use_tqdm=False
+    )
+    llm.shutdown()
+    return outputs
+
+
+def test_a_recording_holds_the_config_the_requests_and_every_step(model_dir, tmp_path):
+    outputs = record(model_dir, tmp_path, batch_invariant=True, max_num_batched_tokens=64)
+    records = read_recording(tmp_path / "rank0")
+    header = records[0]
+    assert isinstance(header, RecordingHeader) and header.config["model"]["batch_invariant"] is True
+    assert header.config["scheduler"]["max_num_batched_tokens"] == 64
+    assert header.plugins["attention"].startswith("cpu") and "engine" in header.versions
+    requests = [r for r in records if isinstance(r, RequestRecord)]
+    assert len(requests) == sum(p.n for p in (params(i) for i in range(len(PROMPTS))))  # n=2: two core requests
+    steps = [r for r in records if isinstance(r, StepRecord)]
+    assert [s.step for s in steps] == list(range(len(steps)))
+    assert all(sum(s.scheduled.values()) <= 64 for s in steps)
+    tokens: dict[str, list[int]] = {}
+    for step in steps:
+        for output in step.outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    produced = sorted(tuple(c.token_ids) for o in outputs for c in o.outputs)
+    assert sorted(map(tuple, tokens.values())) == produced
+
+
+def test_replaying_the_same_config_gives_every_token_and_logprob(model_dir, tmp_path):
+    record(model_dir, tmp_path, batch_invariant=True, max_num_batched_tokens=48)
+    report = run_replay(str(tmp_path / "rank0"), {}, progress=False)
+    assert report["first_divergence"] is None, report
+    assert report["identical_requests"] == report["requests"] > len(PROMPTS)
+    # free to schedule otherwise: another token budget splits every prompt differently, with the same bits
+    report = run_replay(str(tmp_path / "rank0"), {"scheduler": {"max_num_batched_tokens": 7}}, progress=False)
+    assert report["first_divergence"] is None, report
+
+
+def test_engine_replay_prints_one_json_line_and_names_the_first_divergence_of_a_swapped_plugin(model_dir, tmp_path):
+    record(model_dir, tmp_path, batch_invariant=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    same = subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", "replay", str(tmp_path), "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert same.returncode == 0, same.stderr[-2000:]
+    report = json.loads(same.stdout.strip().splitlines()[-1])
+    assert report["first_divergence"] is None and report["identical_requests"] == report["requests"]
+    swapped = subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", "replay", str(tmp_path), "--no-progress"]
+        + ["--no-batch-invariant", "--attention", "torch", "--layer-kernels", "native"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert swapped.returncode == 1, swapped.stderr[-2000:]
+    report = json.loads(swapped.stdout.strip().splitlines()[-1])
+    divergence = report["first_divergence"]
+    assert divergence is not None and report["identical_requests"] < report["requests"]
+    assert set(divergence) == {"step", "request_id", "position", "recorded", "replayed", "logprob_delta"}
+    if divergence["recorded"] == divergence["replayed"]:  # the same token, its logprob off in the last bits
+        assert divergence["logprob_delta"] is not None and 0 < abs(divergence["logprob_delta"]) < 1e-3
+
+
+def test_segments_stay_under_the_cap_and_the_newest_replay_alone(model_dir, tmp_path):
+    prompts = random_prompts(24, (20, 90), seed=32)
+    record(model_dir, tmp_path, prompts, 40, batch_invariant=True, flight_recorder_max_bytes="192KiB")
+    folder = tmp_path / "rank0"
+    segments = sorted(folder.glob("segment-*.msgpack"))
+    assert segments[0].name != "segment-000001.msgpack", "the oldest segments were dropped"
+    assert sum(p.stat().st_size for p in segments) <= 192 * 1024 + 64 * 1024  # the cap, plus the segment being written
+    for path in segments:
+        assert isinstance(next(read_segment(path)), RecordingHeader)  # each segment describes itself
+    carried = [r for r in read_recording(folder) if isinstance(r, RequestRecord) and r.output_token_ids]
+    assert carried, "requests running across the oldest kept boundary are recorded with their tokens"
+    report = run_replay(str(folder), {}, progress=False)
+    assert report["first_divergence"] is None, report
+
+
+def test_a_failed_request_keeps_an_incident_bundle_and_replays(model_dir, tmp_path, caplog):
+    from engine.config import VllmConfig
+    from engine.engine_core.engine_core import EngineCore
+    from engine.messages import EngineCoreRequest
+
+    config = VllmConfig.load(model=model_dir, dtype="float32", batch_invariant=True, flight_recorder=str(tmp_path))
+    core = EngineCore(config)
+    good = EngineCoreRequest("good", PROMPTS[0], params(0), 2, time.time())
+    bad = EngineCoreRequest("bad", PROMPTS[1], params(0), 10**9, time.time())  # an eos id beyond the vocabulary
+    dropped = EngineCoreRequest("dropped", PROMPTS[2], params(1, 30), 2, time.time())
+    core.add_request(good)
+    core.add_request(dropped)
+    for _ in range(3):
+        core.step()
+    core.abort_requests(["dropped"])
+    core.add_request(bad)
+    while core.has_work():
+        core.step()
+    core.recorder.flush()
+    incidents = list((tmp_path / "rank0" / "incidents").iterdir())
+    assert len(incidents) == 1 and "request-bad-failed" in incidents[0].name
+    assert (incidents[0] / "WHY").read_text().startswith("request bad failed")
+    core.shutdown()
+    records = read_recording(incidents[0])
+    assert any(isinstance(r, AbortRecord) and r.request_ids == ["dropped"] for r in records)
+    report = run_replay(str(incidents[0]), {}, progress=False)
+    assert report["first_divergence"] is None and report["identical_requests"] == report["requests"] == 3, report
+
+
+def test_each_data_parallel_rank_records_its_own_requests_and_the_whole_recording_replays(model_dir, tmp_path):
+    from engine.entrypoints.replay import cmd_replay
+
+    prompts = random_prompts(8, (5, 60), seed=33)
+    llm = LLM(model_dir, dtype="float32", batch_invariant=True, flight_recorder=str(tmp_path), data_parallel_size=2)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], [params(i) for i in range(8)], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    per_rank = {
+        rank: [r.request.request_id for r in read_recording(tmp_path / f"rank{rank}") if isinstance(r, RequestRecord)]
+        for rank in (0, 1)
+    }
+    assert all(per_rank.values()) and not set(per_rank[0]) & set(per_rank[1]), per_rank
+    assert read_recording(tmp_path / "rank1")[0].dp_rank == 1
+    assert cmd_replay(argparse.Namespace(dir=str(tmp_path), no_progress=True, config_file=None)) == 0
+
+
+def test_a_script_that_simply_ends_leaves_a_whole_recording(model_dir, tmp_path):
+    script = (
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM({model_dir!r}, dtype='float32', flight_recorder={str(tmp_path)!r})\n"
+        "llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}] * 3, SamplingParams(max_tokens=9, ignore_eos=True),"
+        " use_tqdm=False)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    finished = [
+        o for r in read_recording(tmp_path / "rank0") if isinstance(r, StepRecord) for o in r.outputs if o.finish_reason
+    ]
+    assert len(finished) == 3 and all(o.finish_reason == "length" for o in finished)
+
+
+def test_a_second_run_on_the_same_folder_moves_the_first_aside(model_dir, tmp_path):
+    record(model_dir, tmp_path, PROMPTS[:2], batch_invariant=True)
+    record(model_dir, tmp_path, PROMPTS[2:5], batch_invariant=True)
+    current = [r for r in read_recording(tmp_path / "rank0") if isinstance(r, RequestRecord)]
+    (previous,) = (tmp_path / "rank0" / "previous").iterdir()
+    assert len(current) == 4  # the third prompt asks for n=2
+    assert len([r for r in read_recording(previous) if isinstance(r, RequestRecord)]) == 2
+    assert run_replay(str(previous), {}, progress=False)["first_divergence"] is None
