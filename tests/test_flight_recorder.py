@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -76,8 +75,31 @@ def test_replaying_the_same_config_gives_every_token_and_logprob(model_dir, tmp_
     assert report["first_divergence"] is None, report
     assert report["identical_requests"] == report["requests"] > len(PROMPTS)
     # free to schedule otherwise: another token budget splits every prompt differently, with the same bits
-    report = run_replay(str(tmp_path / "rank0"), {"scheduler": {"max_num_batched_tokens": 7}}, progress=False)
+    free = run_replay(
+        str(tmp_path / "rank0"), {"scheduler": {"max_num_batched_tokens": 7}}, progress=False, free_schedule=True
+    )
+    assert free["first_divergence"] is None, free
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"max_num_batched_tokens": 40},  # chunked prefill beside decodes
+        {"num_gpu_blocks_override": 20, "block_size": 8, "max_model_len": 160},  # preemption and recompute
+        {"async_scheduling": True, "max_num_batched_tokens": 40},
+    ],
+    ids=["chunked", "preempt", "async"],
+)
+def test_the_recorded_schedule_replays_exactly_without_batch_invariance(model_dir, tmp_path, config):
+    """Forced steps: every batch is the recorded one, so the same bits come back on the default kernels."""
+    outputs = record(model_dir, tmp_path, **config)
+    records = read_recording(tmp_path / "rank0")
+    steps = [r for r in records if isinstance(r, StepRecord) and r.scheduled]
+    assert any(len(s.scheduled) > 1 for s in steps) and any(max(s.scheduled.values()) > 1 for s in steps)
+    report = run_replay(str(tmp_path / "rank0"), {}, progress=False)
     assert report["first_divergence"] is None, report
+    assert report["identical_requests"] == report["requests"] == sum(len(o.outputs) for o in outputs)
+    assert report["steps"] == len(steps)
 
 
 def test_engine_replay_prints_one_json_line_and_names_the_first_divergence_of_a_swapped_plugin(model_dir, tmp_path):
@@ -155,6 +177,7 @@ def test_a_failed_request_keeps_an_incident_bundle_and_replays(model_dir, tmp_pa
 
 
 def test_each_data_parallel_rank_records_its_own_requests_and_the_whole_recording_replays(model_dir, tmp_path):
+    from engine.entrypoints.cli import build_parser
     from engine.entrypoints.replay import cmd_replay
 
     prompts = random_prompts(8, (5, 60), seed=33)
@@ -169,7 +192,7 @@ def test_each_data_parallel_rank_records_its_own_requests_and_the_whole_recordin
     }
     assert all(per_rank.values()) and not set(per_rank[0]) & set(per_rank[1]), per_rank
     assert read_recording(tmp_path / "rank1")[0].dp_rank == 1
-    assert cmd_replay(argparse.Namespace(dir=str(tmp_path), no_progress=True, config_file=None)) == 0
+    assert cmd_replay(build_parser().parse_args(["replay", str(tmp_path), "--no-progress"])) == 0
 
 
 def test_a_script_that_simply_ends_leaves_a_whole_recording(model_dir, tmp_path):
@@ -196,3 +219,39 @@ def test_a_second_run_on_the_same_folder_moves_the_first_aside(model_dir, tmp_pa
     assert len(current) == 4  # the third prompt asks for n=2
     assert len([r for r in read_recording(previous) if isinstance(r, RequestRecord)]) == 2
     assert run_replay(str(previous), {}, progress=False)["first_divergence"] is None
+
+
+def test_speculative_decoding_replays_its_recorded_drafts(model_dir, tmp_path, oracle):
+    from tests.helpers import oracle_spec_config
+
+    prompts = PROMPTS[:4]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(model_dir, dtype="float32")
+    reference = {
+        ",".join(map(str, p)): o.outputs[0].token_ids
+        for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False))
+    }
+    llm.shutdown()
+    record(model_dir, tmp_path, prompts, speculative_config=oracle_spec_config(oracle, reference))
+    steps = [r for r in read_recording(tmp_path / "rank0") if isinstance(r, StepRecord)]
+    assert any(s.drafts for s in steps)
+    report = run_replay(str(tmp_path / "rank0"), {}, progress=False)
+    assert report["first_divergence"] is None and report["identical_requests"] == report["requests"], report
+
+
+def test_structured_outputs_replay_with_their_grammars(smollm2_gguf, tmp_path):
+    from engine import StructuredOutputsParams
+
+    constrained = [
+        SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,8} [0-9]{2}")),
+        SamplingParams(
+            temperature=0.8, seed=3, max_tokens=30, structured_outputs=StructuredOutputsParams(choice=["red", "blue"])
+        ),
+        SamplingParams(temperature=0, max_tokens=8),
+    ]
+    llm = LLM(smollm2_gguf, flight_recorder=str(tmp_path))
+    outputs = llm.generate(["The word and number:", "Pick a colour:", "Hello"], constrained, use_tqdm=False)
+    llm.shutdown()
+    assert outputs[1].outputs[0].text in ("red", "blue")
+    report = run_replay(str(tmp_path / "rank0"), {}, progress=False)
+    assert report["first_divergence"] is None and report["identical_requests"] == report["requests"] == 3, report

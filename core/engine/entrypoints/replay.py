@@ -1,16 +1,18 @@
 """``engine replay DIR``: run a flight recording's requests again on an engine built from its recorded config (any
 config flag overrides a key: swap a plugin, a dtype) and compare every token and logprob with the recording.
 
-The replay schedules freely: requests join at the step they joined in the recording, and the engine's own scheduler
-batches them. With ``model.batch_invariant`` recorded, each request's bits do not depend on its batch, so a replay
-on the same config gives the recorded bits whatever the schedule; without it, a request's logprobs can differ in
-the last bits wherever its batches differ, which can change a sampled token (the report says so).
+By default every recorded step is forced: the same requests join before it, and the scheduler is given that step's
+plan (the requests, their tokens and drafts), so each batch is the recorded one and a replay on the same config gives
+the recorded bits. ``--free-schedule`` lets the engine's own scheduler batch the requests instead (each joins at its
+recorded step): identical only when ``model.batch_invariant`` was recorded, since otherwise a request's logprobs can
+differ in the last bits wherever its batches differ (the report then says so).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -105,44 +107,106 @@ def _engine_request(entry: RecordedRequest) -> EngineCoreRequest:
     return request
 
 
-def run_replay(folder: str, overrides: dict[str, dict[str, Any]], progress: bool = True) -> dict:
-    """Replay one rank's recording; the report ``engine replay`` prints."""
-    from tqdm import tqdm
-
+def run_replay(
+    folder: str, overrides: dict[str, dict[str, Any]], progress: bool = True, free_schedule: bool = False
+) -> dict:
+    """Replay one rank's recording (each recorded step forced, or ``free_schedule``); the report ``engine replay``
+    prints."""
     from engine.engine_core.engine_core import EngineCore
 
-    header, recorded, num_steps = load_requests(read_recording(folder))
-    core = EngineCore(replay_config(header, overrides))
+    records = read_recording(folder)
+    header, recorded, num_steps = load_requests(records)
+    config = replay_config(header, overrides)
+    if not free_schedule:
+        config.scheduler.async_scheduling = False  # one step at a time, each as recorded
+    core = EngineCore(config)
+    try:
+        run = _run_free if free_schedule else _run_forced
+        replayed = run(core, records, recorded, num_steps, progress)
+    finally:
+        core.shutdown()
+    return compare(recorded, replayed, num_steps, header, free_schedule)
+
+
+def _collect(replayed: dict[str, ReplayedRequest], outputs) -> None:
+    for output in outputs:
+        result = replayed.setdefault(output.request_id, ReplayedRequest())
+        result.tokens += output.new_token_ids
+        result.logprobs += _logprob_maps(output)
+        if output.finish_reason is not None:
+            result.finish_reason = output.finish_reason
+
+
+def _run_forced(core, records: list, recorded: dict[str, RecordedRequest], num_steps: int, progress: bool) -> dict:
+    """Every recorded step again: the requests and aborts recorded before it, then the scheduler given that step's
+    plan (the same requests, tokens and drafts; preemptions follow from the same block use)."""
+    from tqdm import tqdm
+
+    replayed: dict[str, ReplayedRequest] = {}
+    scheduler = core.scheduler
+    with tqdm(total=num_steps, desc="replay", unit="step", disable=not progress) as bar:
+        for record in records[1:]:
+            if isinstance(record, RequestRecord):
+                entry = recorded[record.request.request_id]
+                if entry.record is record and not (entry.cut and not entry.tokens):
+                    replayed[record.request.request_id] = ReplayedRequest()
+                    core.add_request(_engine_request(entry))
+            elif isinstance(record, AbortRecord):
+                live = [r for r in record.request_ids if r in scheduler.requests]
+                if live:
+                    core.abort_requests(live)
+            elif isinstance(record, StepRecord) and record.scheduled:
+                while scheduler.num_waiting_for_grammar():
+                    time.sleep(0.001)  # the recorded step admitted its constrained requests once compiled
+                bar.update(1)
+                # a request that ended sooner here (it diverged) is left out of the steps recorded after its end
+                scheduled = {r: n for r, n in record.scheduled.items() if r in scheduler.requests}
+                if not scheduled:
+                    continue
+                for request_id in scheduled:  # a request carried into the oldest segment first recomputes its tokens
+                    request = scheduler.requests[request_id]
+                    if recorded[request_id].record.output_token_ids and request not in scheduler.running:
+                        scheduled[request_id] = request.num_tokens
+                scheduler.forced_step = (scheduled, record.drafts)
+                while scheduler.forced_step is not None or core.batch_queue:
+                    _collect(replayed, core.step().outputs)
+        leftover = list(scheduler.requests)  # requests that ran longer here than recorded: nothing left to force
+        if leftover:
+            core.abort_requests(leftover)
+        _collect(replayed, core.step().outputs)  # requests refused or failed after the last recorded step
+    return replayed
+
+
+def _run_free(core, records: list, recorded: dict[str, RecordedRequest], num_steps: int, progress: bool) -> dict:
+    """The requests fed in at their recorded steps; the engine's own scheduler batches them."""
+    from tqdm import tqdm
+
     replayed: dict[str, ReplayedRequest] = {}
     pending = sorted(
         (entry for entry in recorded.values() if not (entry.cut and not entry.tokens)),
         key=lambda entry: entry.record.step,
     )
     step = 0
-    try:
-        with tqdm(total=num_steps, desc="replay", unit="step", disable=not progress) as bar:
-            while pending or core.has_work():
-                while pending and (pending[0].record.step <= step or not core.has_work()):
-                    entry = pending.pop(0)
-                    replayed[entry.record.request.request_id] = ReplayedRequest()
-                    core.add_request(_engine_request(entry))
-                outputs = core.step()
-                if outputs.outputs or core.has_work():
-                    step += 1
-                    bar.update(1)
-                for output in outputs.outputs:
-                    result = replayed.setdefault(output.request_id, ReplayedRequest())
-                    result.tokens += output.new_token_ids
-                    result.logprobs += _logprob_maps(output)
-                    if output.finish_reason is not None:
-                        result.finish_reason = output.finish_reason
-    finally:
-        core.shutdown()
-    return compare(recorded, replayed, num_steps, header)
+    with tqdm(total=num_steps, desc="replay", unit="step", disable=not progress) as bar:
+        while pending or core.has_work():
+            while pending and (pending[0].record.step <= step or not core.has_work()):
+                entry = pending.pop(0)
+                replayed[entry.record.request.request_id] = ReplayedRequest()
+                core.add_request(_engine_request(entry))
+            outputs = core.step()
+            if outputs.outputs or core.has_work():
+                step += 1
+                bar.update(1)
+            _collect(replayed, outputs.outputs)
+    return replayed
 
 
 def compare(
-    recorded: dict[str, RecordedRequest], replayed: dict[str, ReplayedRequest], num_steps: int, header=None
+    recorded: dict[str, RecordedRequest],
+    replayed: dict[str, ReplayedRequest],
+    num_steps: int,
+    header=None,
+    free_schedule: bool = False,
 ) -> dict:
     """``{"requests", "steps", "identical_requests", "first_divergence"}``: the divergence at the earliest recorded
     step (a token or a logprob that differs, or a request that ends otherwise)."""
@@ -161,7 +225,8 @@ def compare(
         "identical_requests": identical,
         "first_divergence": first,
     }
-    if header is not None and first is not None and not header.config.get("model", {}).get("batch_invariant"):
+    invariant = header is not None and header.config.get("model", {}).get("batch_invariant")
+    if free_schedule and header is not None and first is not None and not invariant:
         report["note"] = (
             "recorded without model.batch_invariant: a request's bits may depend on the batch it ran in, which a "
             "replay does not reproduce"
@@ -216,7 +281,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from engine.entrypoints.config_flags import config_overrides_from_args
 
     overrides = config_overrides_from_args(args)
-    reports = [run_replay(str(folder), overrides, progress=not args.no_progress) for folder in rank_folders(args.dir)]
+    reports = [
+        run_replay(str(folder), overrides, not args.no_progress, args.free_schedule)
+        for folder in rank_folders(args.dir)
+    ]
     if len(reports) == 1:
         report = reports[0]
     else:
@@ -241,8 +309,13 @@ def add_replay_command(sub) -> None:
         "config flag overrides the recorded key",
     )
     replay.add_argument("dir", help="the recording's folder (rank*/ inside), one rank's folder or an incident folder")
+    replay.add_argument(
+        "--free-schedule",
+        action="store_true",
+        help="let the engine's scheduler batch the requests (each joins at its recorded step) instead of forcing "
+        "every recorded step; identical only for recordings made with model.batch_invariant",
+    )
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
     replay.add_argument("-v", "--verbose", action="store_true", help="log the engine's start-up")
     add_config_flags(replay)
     replay.set_defaults(func=cmd_replay)
-

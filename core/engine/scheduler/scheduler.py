@@ -35,6 +35,7 @@ class StepPlan:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    forced: Optional[tuple[dict[str, int], dict[str, list[int]]]] = None  # engine replay: the recorded step
 
 
 class Scheduler:
@@ -76,6 +77,8 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats() if self.use_spec_decode else None
         self.spec_policy = SpeculationPolicy(speculative.dynamic_speculation) if self.use_spec_decode else None
         self._step_started: Optional[float] = None
+        # engine replay: the next step's recorded plan (tokens per request, drafts), consumed by schedule()
+        self.forced_step: Optional[tuple[dict[str, int], dict[str, list[int]]]] = None
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than the "
@@ -155,6 +158,12 @@ class Scheduler:
         """Plan one step in three stages: the running requests first (decode tokens, drafts, prefill chunks,
         preempting the latest admitted when blocks run out), then waiting ones while the budget lasts (none
         after a preemption), then the plan is finished into the ``SchedulerOutput`` the workers run."""
+        forced, self.forced_step = self.forced_step, None
+        if forced is not None:  # a replayed step: the recorded requests, each with its recorded tokens and drafts
+            plan = StepPlan(sum(forced[0].values()), forced=forced)
+            self._schedule_running(plan, use_drafts=True)
+            self._schedule_waiting(plan)
+            return self._finish_plan(plan)
         plan = StepPlan(self.max_num_batched_tokens, target=self._isolated_target())
         self._schedule_running(plan, use_drafts=self.use_spec_decode and self._drafts_pay())
         if not plan.preempted:  # a step that had to preempt admits nobody new
@@ -171,9 +180,15 @@ class Scheduler:
                 continue
             if request.structured_output_request is not None and request.num_steps_in_flight:
                 continue  # its matcher has not seen the token in flight: the next bitmask must wait for it
+            if plan.forced is not None and request.request_id not in plan.forced[0]:
+                continue
             num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            if plan.forced is not None:
+                request.spec_token_ids = list(plan.forced[1].get(request.request_id, ()))
             drafts = self._drafts_to_verify(request) if use_drafts else []
             num_new = min(num_known + len(drafts), plan.token_budget, self.max_model_len - request.num_computed_tokens)
+            if plan.forced is not None:
+                num_new = min(num_new, plan.forced[0][request.request_id])
             if num_new <= 0 or self._reached_max_tokens(request):
                 continue  # nothing to compute, or in-flight steps already produce its last token
             drafts = drafts[: max(0, num_new - num_known)]
@@ -219,6 +234,9 @@ class Scheduler:
             request = self.waiting[0]
             if plan.target is not None and (request.request_id != plan.target or plan.num_scheduled):
                 break
+            if plan.forced is not None and request.request_id not in plan.forced[0]:
+                skipped.append(self.waiting.popleft())  # not admitted in this recorded step
+                continue
             if request.num_steps_in_flight:
                 break  # preempted while a step of it runs: readmitted once that step's token is known
             constraint = request.structured_output_request
@@ -236,6 +254,8 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > plan.token_budget:
                 break
             num_new = min(num_new, plan.token_budget)
+            if plan.forced is not None:
+                num_new = min(num_new, plan.forced[0][request.request_id])
             if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
                 break
             self.waiting.popleft()
