@@ -96,6 +96,8 @@ def test_the_recorded_schedule_replays_exactly_without_batch_invariance(model_di
     records = read_recording(tmp_path / "rank0")
     steps = [r for r in records if isinstance(r, StepRecord) and r.scheduled]
     assert any(len(s.scheduled) > 1 for s in steps) and any(max(s.scheduled.values()) > 1 for s in steps)
+    if "num_gpu_blocks_override" in config:
+        assert any(s.preempted for s in steps), "the record names the requests each step preempted"
     report = run_replay(str(tmp_path / "rank0"), {}, progress=False)
     assert report["first_divergence"] is None, report
     assert report["identical_requests"] == report["requests"] == sum(len(o.outputs) for o in outputs)
@@ -255,3 +257,30 @@ def test_structured_outputs_replay_with_their_grammars(smollm2_gguf, tmp_path):
     assert outputs[1].outputs[0].text in ("red", "blue")
     report = run_replay(str(tmp_path / "rank0"), {}, progress=False)
     assert report["first_divergence"] is None and report["identical_requests"] == report["requests"] == 3, report
+
+
+def test_served_traffic_records_and_replays(model_dir, tmp_path):
+    """engine serve with the recorder: completions, a stream, a chat and n=2 over HTTP, then the whole recording
+    replayed."""
+    import httpx
+
+    from tests.helpers import Server
+
+    server = Server(
+        "--model", model_dir, "--dtype", "float32", "--flight-recorder", str(tmp_path), "--max-model-len", "512"
+    )
+    try:
+        base = server.url + "/v1"
+        assert httpx.post(base + "/completions", json={"prompt": "one two", "max_tokens": 8, "logprobs": 2}).is_success
+        body = {"prompt": "three", "max_tokens": 6, "n": 2, "temperature": 0.8, "seed": 4}
+        assert httpx.post(base + "/completions", json=body).is_success
+        with httpx.stream("POST", base + "/completions", json={"prompt": "four", "max_tokens": 7, "stream": True}) as r:
+            assert r.is_success and "[DONE]" in r.read().decode()
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        assert httpx.post(base + "/chat/completions", json=chat).is_success
+    finally:
+        server.stop()
+    records = read_recording(tmp_path / "rank0")
+    assert len([r for r in records if isinstance(r, RequestRecord)]) == 5
+    report = run_replay(str(tmp_path / "rank0"), {}, progress=False)
+    assert report["first_divergence"] is None and report["identical_requests"] == 5, report

@@ -249,7 +249,10 @@ class EngineCore:
     def _record(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         if self.recorder is not None:
             self.recorder.step_done(
-                scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens, outputs
+                scheduler_output.num_scheduled_tokens,
+                scheduler_output.scheduled_spec_decode_tokens,
+                outputs,
+                scheduler_output.preempted_req_ids,
             )
 
     def _recover_from_failed_step(self, exc: Exception) -> EngineCoreOutputs:

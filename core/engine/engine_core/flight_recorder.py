@@ -27,7 +27,7 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 import msgspec
 
@@ -67,13 +67,14 @@ class AbortRecord(msgspec.Struct, tag="abort"):
 
 
 class StepRecord(msgspec.Struct, tag="step"):
-    """One applied step: the scheduler's decision (tokens per request, drafts verified) and what it produced (new
-    tokens, their logprobs where asked, finish reasons and errors)."""
+    """One applied step: the scheduler's decision (tokens per request, drafts verified, preemptions) and what it
+    produced (new tokens, their logprobs where asked, finish reasons and errors)."""
 
     step: int
     scheduled: dict[str, int]
     drafts: dict[str, list[int]]
     outputs: list[EngineCoreOutput]
+    preempted: list[str] = []  # requests this step's plan preempted (recomputed later)
 
 
 Record = Union[RecordingHeader, RequestRecord, AbortRecord, StepRecord]
@@ -141,9 +142,15 @@ class FlightRecorder:
     def requests_aborted(self, request_ids: list[str]) -> None:
         self._queue.put(AbortRecord(self.step, list(request_ids)))
 
-    def step_done(self, scheduled: dict[str, int], drafts: dict[str, list[int]], outputs: list[EngineCoreOutput]):
+    def step_done(
+        self,
+        scheduled: dict[str, int],
+        drafts: dict[str, list[int]],
+        outputs: list[EngineCoreOutput],
+        preempted: Optional[list[str]] = None,
+    ) -> None:
         """A step applied (``scheduled`` empty: outputs outside a step, such as requests refused or failed)."""
-        self._queue.put(StepRecord(self.step, dict(scheduled), dict(drafts), list(outputs)))
+        self._queue.put(StepRecord(self.step, dict(scheduled), dict(drafts), list(outputs), list(preempted or ())))
         if scheduled:
             self.step += 1
 

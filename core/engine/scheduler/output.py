@@ -47,6 +47,7 @@ class SchedulerOutput(msgspec.Struct):
     # a request with drafts owns 1 + len(drafts) consecutive rows, one per position it samples
     structured_output_request_ids: dict[str, int] = {}
     grammar_bitmask: Optional[Any] = None
+    preempted_req_ids: list[str] = []  # preempted by this step's plan (also in finished_req_ids), for the record
 
     @property
     def is_empty(self) -> bool:

@@ -289,6 +289,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             finished_req_ids=sorted(self.finished_req_ids | {r.request_id for r in plan.preempted}),
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            preempted_req_ids=[r.request_id for r in plan.preempted],
         )
         self.finished_req_ids = set()
         if self.use_spec_decode:
