@@ -16,6 +16,7 @@ def _installed_version() -> str:
 apply_default_wait_policy()  # before anything loads torch's OpenMP: idle threads sleep instead of spinning
 
 from engine.hookspecs import CONTRACT_VERSION, hookimpl  # noqa: E402
+from engine.lora_request import LoRARequest  # noqa: E402
 from engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "AsyncLLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "LoRARequest",
     "hookimpl",
     "CONTRACT_VERSION",
     "EngineDeadError",

@@ -343,6 +343,71 @@ class ObservabilityConfig(_Section):
         return None if isinstance(value, str) and value.strip().lower() in ("", "none", "off", "null") else value
 
 
+class LoRAConfig(_Section):
+    """LoRA adapters served beside the base model (docs/lora.md)."""
+
+    enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT folders) beside the base model")
+    lora_modules: list[str] = Field(
+        default_factory=list,
+        description="adapters served from the start, each NAME=PATH (a PEFT folder); requests choose one by its "
+        "name as their model",
+    )
+    max_loras: int = Field(1, gt=0, description="most distinct adapters in one step (the slots their weights fill)")
+    max_cpu_loras: Optional[int] = Field(
+        None, gt=0, description="most adapters kept loaded in memory (at least max_loras; defaults to it)"
+    )
+    max_lora_rank: int = Field(16, gt=0, le=512, description="highest adapter rank accepted (the slots' width)")
+    lora_dir: Optional[str] = Field(
+        None,
+        description="folder of adapters (DIR/NAME): the filesystem resolver loads an adapter a request names from "
+        "it, and runtime loading may read from it",
+    )
+    allowed_lora_paths: list[str] = Field(
+        default_factory=list,
+        description="folders besides lora_dir that POST /v1/load_lora_adapter may load from (anything else: 403)",
+    )
+    runtime_updates: bool = Field(
+        False,
+        description="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM)",
+    )
+
+    @field_validator("lora_modules", "allowed_lora_paths", mode="before")
+    @classmethod
+    def _listed(cls, value: Any) -> Any:
+        """One string is a list of one (a YAML value or an env variable); NAME=PATH pairs may be a mapping."""
+        if isinstance(value, str):
+            return [part for part in value.replace(",", " ").split() if part]
+        if isinstance(value, dict):
+            return [f"{name}={path}" for name, path in value.items()]
+        return value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _pairs(cls, value: list[str]) -> list[str]:
+        for item in value:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"each adapter is NAME=PATH, got {item!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _cpu_at_least_slots(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"lora.max_cpu_loras ({self.max_cpu_loras}) must be at least lora.max_loras ({self.max_loras})"
+            )
+        return self
+
+    def modules(self) -> dict[str, str]:
+        """The adapters of ``lora_modules`` by name."""
+        return dict(item.split("=", 1) for item in self.lora_modules)
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 class StructuredOutputsConfig(_Section):
     """Structured outputs: the grammar backend that enforces json / regex / choice / grammar constraints."""
 
@@ -414,6 +479,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "speculative": SpeculativeConfig,
     "structured_outputs": StructuredOutputsConfig,
     "observability": ObservabilityConfig,
+    "lora": LoRAConfig,
 }
 # whole sections under a second name, as vLLM spells them (`--speculative-config '{"method": "ngram"}'`)
 SECTION_ALIASES = {"speculative_config": "speculative", "structured_outputs_config": "structured_outputs"}
@@ -422,6 +488,7 @@ SECTION_ALIASES = {"speculative_config": "speculative", "structured_outputs_conf
 FLAT_ALIASES = {
     **{flag: kind.config_key for kind in KINDS.values() if kind.config_key for flag in kind.flags},
     "attention_options": "attention.options",
+    "enable_lora_runtime_updates": "lora.runtime_updates",
 }
 
 _yaml_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("engine_yaml", default=None)
@@ -464,6 +531,7 @@ class VllmConfig(BaseSettings):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @model_validator(mode="after")
     def _combinations(self) -> VllmConfig:
@@ -480,6 +548,13 @@ class VllmConfig(BaseSettings):
                     "set speculative.method=none or scheduler.async_scheduling=false"
                 )
             self.speculative.lookup_range()
+        if self.lora.enable_lora and self.model.batch_invariant:
+            raise ValueError(
+                "lora.enable_lora and model.batch_invariant cannot be combined yet: the LoRA products are not "
+                "row-invariant; set one of them to false"
+            )
+        if self.lora.lora_modules and not self.lora.enable_lora:
+            raise ValueError("lora.lora_modules needs lora.enable_lora=true")
         if self.parallel.data_parallel_backend == "ray" and self.server.api_server_count > 1:
             raise ValueError(
                 "parallel.data_parallel_backend=ray runs one API server: set server.api_server_count=1 "

@@ -23,7 +23,7 @@ import pluggy
 _Spec = TypeVar("_Spec", bound=Callable[..., Any])
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.12"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.13"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
 # LayerKernels.capture_decode_step, 1.6 engine_spec_proposers, 1.7 engine_structured_output_backends and
@@ -31,7 +31,8 @@ CONTRACT_VERSION = "1.12"  # 1.1 added register_models, 1.2 engine_layer_kernels
 # fused_moe), 1.9 multi-head latent attention (AttentionBackend.get_mla_impl_cls, get_mla_kv_cache_shape,
 # MLAAttentionImpl), 1.10 Mamba's state-space kernels (LayerKernels.causal_conv1d, mamba2_scan, selective_scan),
 # 1.11 quantized experts (LayerKernels.pack_quantized_experts, FusedMoE.quant_w13 / quant_w2), 1.12
-# LayerKernels.serves_packed_weights (auto quantization keeps a GGUF file packed)
+# LayerKernels.serves_packed_weights (auto quantization keeps a GGUF file packed), 1.13 LayerKernels.add_lora (the
+# batched LoRA product) and engine_lora_resolvers
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -308,6 +309,24 @@ def engine_tool_parsers() -> list[type]:
     Chosen by ``server.tool_call_parser`` (``none``: off). Constructed in the API server per chat request as
     ``cls(tokenizer)``; ``extract_tool_calls(text)`` splits a finished answer into content and tool calls,
     ``extract_tool_calls_streaming`` turns each streamed text delta into a content or tool-call delta.
+    """
+
+
+@plugin_kind(
+    "lora_resolver",
+    base="engine.interfaces.lora_resolver:LoRAResolver",
+    process="api server",
+    construction="cls(vllm_config) once per API server, every available one; await resolve_lora(base_model_name, "
+    "lora_name) in priority order for a request naming an adapter that is not loaded, until one answers",
+)
+def engine_lora_resolvers() -> list[type]:
+    """Return LoRAResolver subclasses (``engine.interfaces.lora_resolver``): ways of finding a LoRA adapter by name
+    when a request names one the server has not loaded (vLLM's ``lora_resolver`` plugins).
+
+    Every available one is active (the built-in ``filesystem`` resolver when ``lora.lora_dir`` is set), asked in
+    priority order. Constructed once per API server as ``cls(vllm_config)``; ``await resolve_lora(base_model_name,
+    lora_name)`` returns a ``LoRARequest`` or None. The server checks what a resolver found (rank, shapes, allowed
+    folders) like any adapter before serving it.
     """
 
 

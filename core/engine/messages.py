@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -135,6 +136,7 @@ class EngineCoreRequest(msgspec.Struct):
     # a request migrated from a DP rank that died: the tokens it had already produced there (its client has
     # them). The core takes it as a preempted request: it recomputes prompt + these, and samples on from them
     resumed_output_token_ids: list[int] = []
+    lora_request: Optional[LoRARequest] = None  # the adapter this request runs with (None: the base model)
 
 
 class UtilityCall(msgspec.Struct):

@@ -87,7 +87,13 @@ class DPRouter:
         rank = least_loaded
         if self.policy == "prefix_aware" and self.prefix_caching:
             block_hashes: list[bytes] = []
-            extend_block_hashes(block_hashes, request.prompt_token_ids, self.block_size, request.cache_salt)
+            extend_block_hashes(
+                block_hashes,
+                request.prompt_token_ids,
+                self.block_size,
+                request.cache_salt,
+                request.lora_request.prefix_key if request.lora_request is not None else None,
+            )
             rank = self._prefix_rank(block_hashes, scores, least_loaded)
             self._remember(block_hashes, rank)
         self.sent_since_state[rank] += 1

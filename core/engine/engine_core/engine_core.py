@@ -159,6 +159,7 @@ class EngineCore:
                     request.cache_salt,
                     request.arrival_time,
                     request.resumed_output_token_ids,
+                    request.lora_request,
                 )
             )
         except Exception as exc:
@@ -177,6 +178,10 @@ class EngineCore:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None and len(request.resumed_output_token_ids) >= max_tokens:
                 raise ValueError(f"a resumed request already has its max_tokens ({max_tokens}) tokens")
+        if request.lora_request is not None and not self.vllm_config.lora.enable_lora:
+            raise ValueError(
+                f"request names LoRA adapter {request.lora_request.lora_name!r} but LoRA is off (lora.enable_lora)"
+            )
         vocab = self.model_info.vocab_size
         if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab:
             raise ValueError(f"eos_token_id must lie in [0, {vocab})")

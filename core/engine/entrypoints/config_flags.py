@@ -71,7 +71,9 @@ def add_config_flags(parser: argparse.ArgumentParser, value_lists: bool = False)
                 metavar=None if kind is bool else names[0].upper(),
                 help=f"{field.description} (default: {field.get_default(call_default_factory=True)})",
             )
-            if kind is bool:
+            if typing.get_origin(field.annotation) is list:  # NAME=PATH pairs, folders: space-separated
+                group.add_argument(*flags, nargs="+", **common)
+            elif kind is bool:
                 common.pop("metavar")
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
             elif value_lists and kind in (int, float, str):

@@ -12,6 +12,7 @@ from engine.config import VllmConfig
 from engine.errors import EngineDeadError, EngineGenerateError, EngineUnavailableError
 from engine.frontend.core_client import AsyncMPClient, RemoteEngines
 from engine.frontend.input_processor import PreparedRequest, PromptType, build_front_end
+from engine.lora_request import LoRARequest
 from engine.messages import SchedulerStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -99,12 +100,13 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: Optional[str] = None,
         check_context_length: bool = False,
+        lora_request: Optional[LoRARequest] = None,
     ) -> PreparedRequest:
         """Validate and tokenize a prompt for ``generate`` (ValueError naming what is wrong); the OpenAI server
         prepares every prompt of a call, with the context-length check, before it starts any."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         return self.input_processor.prepare(
-            request_id, prompt, sampling_params, check_context_length=check_context_length
+            request_id, prompt, sampling_params, check_context_length=check_context_length, lora_request=lora_request
         )
 
     def decode_token(self, token_id: int) -> Optional[str]:
@@ -116,6 +118,7 @@ class AsyncLLM:
         prompt: Union[PromptType, PreparedRequest],
         sampling_params: Optional[SamplingParams] = None,
         request_id: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's (cumulative) output after each step until it finishes. ``prompt`` is a prompt
         (then ``sampling_params`` are needed) or a ``PreparedRequest``, which is used as it is.
@@ -132,7 +135,7 @@ class AsyncLLM:
         else:
             if sampling_params is None:
                 raise ValueError("generate needs sampling_params with a prompt (or a PreparedRequest)")
-            prepared = self.prepare(prompt, sampling_params, request_id)
+            prepared = self.prepare(prompt, sampling_params, request_id, lora_request=lora_request)
         request_id = prepared.request_id
         waiting: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = waiting

@@ -11,6 +11,9 @@ import msgspec
 from engine.config import VllmConfig
 from engine.errors import InvalidParameterError
 from engine.frontend.output_processor import OutputProcessor
+from engine.lora.adapter import LoRAAdapterError
+from engine.lora.checker import LoRAAdapterChecker
+from engine.lora_request import LoRARequest
 from engine.messages import EngineCoreRequest
 from engine.model.model_info import ModelInfo, resolve_model
 from engine.model.tokenizer import get_tokenizer
@@ -36,11 +39,19 @@ class PreparedRequest:
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, tokenizer, max_logprobs: int = 20, structured_outputs_validator=None):
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        tokenizer,
+        max_logprobs: int = 20,
+        structured_outputs_validator=None,
+        lora_checker: Optional[LoRAAdapterChecker] = None,
+    ):
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.structured_outputs_validator = structured_outputs_validator
+        self.lora_checker = lora_checker
 
     def eos_token_id(self) -> Optional[int]:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -75,6 +86,7 @@ class InputProcessor:
         params: SamplingParams,
         cache_salt: Optional[str] = None,
         check_context_length: bool = False,
+        lora_request: Optional[LoRARequest] = None,
     ) -> PreparedRequest:
         """Validate and tokenize one prompt. Bad input raises ValueError naming what is wrong;
         ``check_context_length``: also refuse a prompt whose ``max_tokens`` would overrun the context (the server
@@ -101,16 +113,33 @@ class InputProcessor:
             self.structured_outputs_validator.validate(params.structured_outputs)
         if check_context_length:
             self.check_context_length(len(token_ids), params)
+        if lora_request is not None:
+            if self.lora_checker is None:
+                raise InvalidParameterError("LoRA adapters are not served here", "model")
+            try:
+                self.lora_checker.check(lora_request)
+            except LoRAAdapterError as exc:
+                raise InvalidParameterError(str(exc), "model") from None
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         now, eos = time.monotonic(), self.eos_token_id()
         if params.n == 1:
             return PreparedRequest(
-                request_id, text, [EngineCoreRequest(request_id, token_ids, params, eos, now, cache_salt)]
+                request_id,
+                text,
+                [EngineCoreRequest(request_id, token_ids, params, eos, now, cache_salt, lora_request=lora_request)],
             )
         # n sequences share the prompt's KV blocks through the prefix cache (ref counts, no copies)
         sequences = [
-            EngineCoreRequest(f"{index}_{request_id}", token_ids, params.for_child(index), eos, now, cache_salt)
+            EngineCoreRequest(
+                f"{index}_{request_id}",
+                token_ids,
+                params.for_child(index),
+                eos,
+                now,
+                cache_salt,
+                lora_request=lora_request,
+            )
             for index in range(params.n)
         ]
         return PreparedRequest(request_id, text, sequences)
@@ -124,6 +153,12 @@ def build_front_end(vllm_config: VllmConfig) -> tuple[ModelInfo, Any, InputProce
     return (
         model_info,
         tokenizer,
-        InputProcessor(model_info, tokenizer, vllm_config.model.max_logprobs, validator),
+        InputProcessor(
+            model_info,
+            tokenizer,
+            vllm_config.model.max_logprobs,
+            validator,
+            LoRAAdapterChecker(vllm_config.lora, model_info.hf_config),
+        ),
         OutputProcessor(tokenizer),
     )

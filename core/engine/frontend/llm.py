@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 from tqdm.auto import tqdm
 
 from engine.config import VllmConfig
 from engine.frontend.input_processor import PromptType
 from engine.frontend.llm_engine import LLMEngine
+from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -44,8 +45,10 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
         use_tqdm: bool = True,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. ``lora_request``: the adapter every
+        prompt runs with, or one per prompt (None: the base model), as vLLM (needs ``enable_lora=True``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -56,10 +59,17 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        adapters = (
+            list(lora_request)
+            if isinstance(lora_request, (list, tuple))
+            else [cast(Optional[LoRARequest], lora_request)] * len(prompts)
+        )
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
         request_ids = []
         try:
-            for prompt, param in zip(prompts, params):
-                request_ids.append(self.llm_engine.add_request(prompt, param))
+            for prompt, param, adapter in zip(prompts, params, adapters):
+                request_ids.append(self.llm_engine.add_request(prompt, param, lora_request=adapter))
         except Exception:
             self.llm_engine.abort_request(request_ids)
             raise
@@ -72,6 +82,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -87,7 +98,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

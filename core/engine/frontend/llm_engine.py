@@ -10,6 +10,7 @@ from engine.config import VllmConfig
 from engine.frontend.core_client import EngineCoreClient, make_client
 from engine.frontend.input_processor import PromptType, build_front_end
 from engine.lifetime import freeze_gc_heap, release_gc_heap, use_thread_lock_for_progress_bars
+from engine.lora_request import LoRARequest
 from engine.messages import SchedulerStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -29,9 +30,15 @@ class LLMEngine:
         self._ids = itertools.count()
         freeze_gc_heap()
 
-    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
-        prepared = self.input_processor.prepare(request_id, prompt, params)
+        prepared = self.input_processor.prepare(request_id, prompt, params, lora_request=lora_request)
         self.output_processor.add_request(request_id, prepared.prompt_text, prepared.requests)
         for request in prepared.requests:
             self.engine_core.add_request(request)

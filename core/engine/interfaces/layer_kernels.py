@@ -1,5 +1,5 @@
 """LayerKernels interface: the kernels of the model layers (norms, activations, RoPE, linear products, the
-fused mixture-of-experts operation, Mamba's convolution and selective scan).
+fused mixture-of-experts operation, the batched LoRA product, Mamba's convolution and selective scan).
 
 The layers call these instead of torch ops so that a device plugin can fuse them: one pass over
 each row instead of one per torch op, or a matrix product on weights packed once at load.
@@ -28,6 +28,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from engine.config import VllmConfig
+    from engine.lora.mapping import LoRAMapping
     from engine.model.quant_formats import QuantizedExperts
 
 
@@ -160,6 +161,19 @@ class LayerKernels(Pluggable):
         from engine.model.layers.moe_reference import fused_experts
 
         return fused_experts(x, experts.w13_weight, experts.w2_weight, topk_weights, topk_ids, experts.expert_map)
+
+    def add_lora(
+        self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+    ) -> torch.Tensor:
+        """The batched LoRA product (vLLM's punica shrink and expand) added to a linear layer's output: for every
+        token ``t`` that runs with adapter slot ``s``, ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])``. ``x`` ``[T, in]``,
+        ``y`` ``[T, out]`` (may be updated in place; returned), ``lora_a`` ``[slots, R, in]`` and ``lora_b``
+        ``[slots, out, R]`` (the scaling folded into B; a merged layer's slices side by side in R, B block-diagonal),
+        ``mapping`` the step's tokens grouped by slot (:class:`~engine.lora.mapping.LoRAMapping`; tokens of the base
+        model are in no group). The default is the torch reference: one shrink and one expand per slot in use."""
+        from engine.model.layers.lora_reference import add_lora
+
+        return add_lora(y, x, lora_a, lora_b, mapping)
 
     def causal_conv1d(
         self,

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from engine.lora_request import LoRARequest
 from engine.messages import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ class NewRequestData(msgspec.Struct):
     block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
     eos_token_id: Optional[int]
+    lora_request: Optional[LoRARequest] = None
 
 
 class CachedRequestData(msgspec.Struct):

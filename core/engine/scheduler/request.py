@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 from engine.kv_cache.hashing import extend_block_hashes
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
         cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None,
         resumed_output_token_ids: Optional[list[int]] = None,
+        lora_request: Optional[LoRARequest] = None,
     ):
         """``resumed_output_token_ids``: tokens this request produced on another engine core (a DP rank that
         died); it starts here as if preempted after them (prompt and these recomputed, sampling goes on)."""
@@ -55,6 +57,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.block_size = block_size
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_key = lora_request.prefix_key if lora_request is not None else None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = list(resumed_output_token_ids or [])
@@ -68,7 +72,7 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts proposed after its last step, verified by the next
         self.structured_output_request = None  # its constraint's compile and matcher (StructuredOutputRequest)
         self.block_hashes: list[bytes] = []
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_key)
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +85,7 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt, self.lora_key)
 
     def is_finished(self) -> bool:
         return self.status.finished

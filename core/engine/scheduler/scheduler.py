@@ -52,6 +52,7 @@ class Scheduler:
         sched = vllm_config.scheduler
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_num_seqs = sched.max_num_seqs
+        self.max_loras = vllm_config.lora.max_loras if vllm_config.lora.enable_lora else 0
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
         # stages before the last do not sample: each step tells them its input tokens
@@ -239,6 +240,9 @@ class Scheduler:
                 continue
             if request.num_steps_in_flight:
                 break  # preempted while a step of it runs: readmitted once that step's token is known
+            if request.lora_request is not None and self._adapter_slots_full(request.lora_request.lora_int_id):
+                skipped.append(self.waiting.popleft())  # waits for a running adapter to finish; others go first
+                continue
             constraint = request.structured_output_request
             if constraint is not None and not constraint.is_ready():
                 skipped.append(self.waiting.popleft())
@@ -275,9 +279,16 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
                     eos_token_id=request.eos_token_id,
+                    lora_request=request.lora_request,
                 )
             )
         self.waiting.extendleft(reversed(skipped))
+
+    def _adapter_slots_full(self, lora_int_id: int) -> bool:
+        """Whether admitting a request of adapter ``lora_int_id`` would make the running requests use more than
+        ``lora.max_loras`` distinct adapters (a step's adapters must fit the workers' slots)."""
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora_int_id not in running and len(running) >= self.max_loras
 
     def _finish_plan(self, plan: StepPlan) -> SchedulerOutput:
         """The step's SchedulerOutput; the scheduled requests advance (their tokens count as computed, a step of

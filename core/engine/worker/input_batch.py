@@ -34,6 +34,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: Optional[int]
     processor_mask: list[bool] = field(default_factory=list)  # which logits processors it asked for
+    lora_int_id: int = 0  # its LoRA adapter's id (0: the base model)
 
 
 class InputBatch:
@@ -57,6 +58,7 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: the request wants none
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.uses_processor = np.zeros((num_processors, max_num_reqs), dtype=bool)
+        self.lora_int_id = np.zeros(max_num_reqs, dtype=np.int64)  # each row's adapter id (0: the base model)
         max_blocks = [-(-max_model_len // size) for size in block_sizes]
         self.block_tables = [BlockTable(max_num_reqs, blocks, size) for blocks, size in zip(max_blocks, block_sizes)]
 
@@ -93,6 +95,7 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         self.uses_processor[:, row] = state.processor_mask
+        self.lora_int_id[row] = state.lora_int_id
         for table, ids in zip(self.block_tables, state.block_ids):
             table.add_row(ids, row)
         return row
@@ -139,6 +142,7 @@ class InputBatch:
             self.seeded,
             self.num_logprobs,
             self.num_prompt_logprobs,
+            self.lora_int_id,
             *self._columns.values(),
         ):
             array[dst] = array[src]

@@ -28,7 +28,9 @@ from engine.kv_cache.spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from engine.lora.model_manager import LoRAModelManager
 from engine.model.layers.attention import Attention, MLAAttention
+from engine.model.layers.kernels import current_layer_kernels
 from engine.model.layers.mamba_state import MambaLayer, MambaMetadataBuilder, MambaStateCache
 from engine.model.layers.moe import expert_load
 from engine.model.loader import load_model
@@ -90,6 +92,7 @@ class ModelRunner:
         self.attention_layers: dict[str, Attention | MLAAttention] = {}
         self.mamba_layers: dict[str, MambaLayer] = {}
         self.builders: list[Any] = []
+        self.lora_manager: Optional[LoRAModelManager] = None  # with lora.enable_lora: the adapters' slots
         self.decode_step: Optional[CapturedDecodeStep] = None  # the captured decode step, unless enforce_eager
         self.num_captured_steps = 0  # steps the capture ran (the rest ran eagerly)
 
@@ -111,6 +114,14 @@ class ModelRunner:
         self.model = load_model(
             self.model_info, self.device, layer_kernels=self.layer_kernels, quantization=self.quantization
         )
+        if self.vllm_config.lora.enable_lora:
+            self.lora_manager = LoRAModelManager(
+                self.model,
+                self.model_info.hf_config,
+                self.vllm_config.lora,
+                self.layer_kernels or current_layer_kernels(),
+                self.device,
+            )
         options = self.vllm_config.attention.options
         for module in self.model.modules():
             if isinstance(module, (Attention, MLAAttention)):
@@ -230,8 +241,19 @@ class ModelRunner:
         return step
 
     def _run_model(self, inputs: StepInputs) -> Any:
-        """The final hidden states: the captured decode step where it takes this step, else the eager model.
+        """The final hidden states: the captured decode step where it takes this step, else the eager model
+        (always for a step where a token runs with a LoRA adapter: the capture holds the base model's products).
         A pipeline stage receives the previous stage's tensors first; all but the last return theirs."""
+        lora = self.lora_manager
+        if lora is None:
+            return self._forward(inputs, use_capture=True)
+        mapping = lora.set_step(self.batch.lora_int_id[: len(inputs.req_ids)], inputs.num_scheduled)
+        try:
+            return self._forward(inputs, use_capture=mapping is None)
+        finally:
+            lora.clear_step()
+
+    def _forward(self, inputs: StepInputs, use_capture: bool) -> Any:
         input_ids, positions, metadata = inputs.input_ids, inputs.positions, inputs.attn_metadata
         model: Any = self.loaded_model
         pp = get_pp_group()
@@ -245,7 +267,7 @@ class ModelRunner:
             )
             with set_forward_context(metadata):
                 return model(input_ids, positions, intermediate)
-        step = self.decode_step
+        step = self.decode_step if use_capture else None
         if (
             step is not None
             and len(input_ids) <= step.max_batch_size
@@ -282,7 +304,12 @@ class ModelRunner:
                 new.num_computed_tokens,
                 new.eos_token_id,
                 [p.requested_by(params) for p in self.logits_processors],
+                new.lora_request.lora_int_id if new.lora_request is not None else 0,
             )
+            if new.lora_request is not None:
+                if self.lora_manager is None:
+                    raise ValueError(f"request {new.req_id} names a LoRA adapter but this worker has LoRA off")
+                self.lora_manager.add_request(new.lora_request)
             self.requests[new.req_id] = state
             batch.add_request(state)
         for cached in scheduler_output.scheduled_cached_reqs:

@@ -147,9 +147,22 @@ class ServerMetrics:
             ["model_name", "reason"],
             registry=own,
         )
+        adapter_counter = lambda name, doc: Counter(name, doc, ["model_name", "lora_name"], registry=own)
+        self._adapter_requests = adapter_counter("engine_lora_request_success", "Requests finished, per LoRA adapter")
+        self._adapter_prompt_tokens = adapter_counter("engine_lora_prompt_tokens", "Prompt tokens, per LoRA adapter")
+        self._adapter_generation_tokens = adapter_counter(
+            "engine_lora_generation_tokens", "Tokens generated, per LoRA adapter"
+        )
+        self.model_name = model_name
         self.time_to_first_token = histogram("engine_time_to_first_token_seconds", "Time to first token")
         self.inter_token_latency = histogram("engine_inter_token_latency_seconds", "Time between tokens")
         self.e2e_latency = histogram("engine_e2e_request_latency_seconds", "End-to-end request latency")
+
+    def adapter_finished(self, lora_name: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """Count a finished request of a LoRA adapter (the base model's are the unlabelled series)."""
+        self._adapter_requests.labels(self.model_name, lora_name).inc()
+        self._adapter_prompt_tokens.labels(self.model_name, lora_name).inc(prompt_tokens)
+        self._adapter_generation_tokens.labels(self.model_name, lora_name).inc(generation_tokens)
 
     def update_from_stats(self, stats: SchedulerStats) -> None:
         """The engine-core series from ``get_stats()`` (every DP rank's in ``per_rank``)."""

@@ -15,8 +15,10 @@ from fastapi import Request
 from engine.config import VllmConfig
 from engine.entrypoints.openai.admission import AdmissionControl
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.lora_adapters import ServedAdapters
 from engine.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from engine.frontend.input_processor import PreparedRequest
+from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput
 
 logger = logging.getLogger("engine.server")
@@ -37,6 +39,7 @@ class OpenAIServing:
         self.config = config
         self.remote = remote  # RemoteEngines: join the engine cores another process started
         self.model_name = served_model_name(config, config.model.model or default_model_path())
+        self.adapters = ServedAdapters(config, self.model_name)
         self.metrics = ServerMetrics(self.model_name, remote.client_index if remote is not None else 0)
         servers = config.server.api_server_count  # each API server holds its share of the admission caps
         self.admission = AdmissionControl(
@@ -71,10 +74,15 @@ class OpenAIServing:
         return engine
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(
-                f"The model `{name}` does not exist. Served: `{self.model_name}`", 404, "model", "NotFoundError"
-            )
+        """404 unless ``name`` is the served model or one of its loaded LoRA adapters (or None)."""
+        if not self.adapters.known(name):
+            served = [self.model_name, *self.adapters.adapters]
+            raise APIError(f"The model `{name}` does not exist. Served: {served}", 404, "model", "NotFoundError")
+
+    async def lookup_model(self, engine, name: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter a request's ``model`` names (None: the base model); an adapter not loaded is asked of
+        the resolver plugins; 404 when nothing serves the name."""
+        return await self.adapters.lookup(name, getattr(engine.input_processor, "lora_checker", None))
 
     # ---- prompts --------------------------------------------------------------------------------
     async def tokenized(self, engine, prompts: list) -> list[dict]:
@@ -108,20 +116,24 @@ class OpenAIServing:
         return tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod
-    def prepare(engine, prompts: list[dict], params, base_id: str) -> list[PreparedRequest]:
+    def prepare(
+        engine, prompts: list[dict], params, base_id: str, lora_request: Optional[LoRARequest] = None
+    ) -> list[PreparedRequest]:
         """Every prompt of a call validated and tokenized (with the context-length check) before any starts;
-        prompt ``i`` runs as request ``{base_id}-{i}``."""
+        prompt ``i`` runs as request ``{base_id}-{i}``, with ``lora_request``'s adapter when one is named."""
         return [
-            engine.prepare(prompt, params, f"{base_id}-{index}", check_context_length=True)
+            engine.prepare(prompt, params, f"{base_id}-{index}", check_context_length=True, lora_request=lora_request)
             for index, prompt in enumerate(prompts)
         ]
 
-    async def prepare_off_loop(self, engine, prompts: list[dict], params, base_id: str) -> list[PreparedRequest]:
+    async def prepare_off_loop(
+        self, engine, prompts: list[dict], params, base_id: str, lora_request: Optional[LoRARequest] = None
+    ) -> list[PreparedRequest]:
         """``prepare``; a constrained request's check (its backend parses the schema or grammar) runs on a
         thread, so that a large constraint does not stall the other clients."""
         if params.structured_outputs is None:
-            return self.prepare(engine, prompts, params, base_id)
-        return await asyncio.to_thread(self.prepare, engine, prompts, params, base_id)
+            return self.prepare(engine, prompts, params, base_id, lora_request)
+        return await asyncio.to_thread(self.prepare, engine, prompts, params, base_id, lora_request)
 
     # ---- generation -----------------------------------------------------------------------------
     def admit(self, prepared: list[PreparedRequest]) -> None:
@@ -154,6 +166,11 @@ class OpenAIServing:
             yield output
         if output is not None:
             timer.on_finish(len(output.prompt_token_ids))
+            adapter = prepared.requests[0].lora_request
+            if adapter is not None:
+                self.metrics.adapter_finished(
+                    adapter.lora_name, len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)
+                )
 
     async def final_outputs(
         self, engine, prepared: list[PreparedRequest], http_request: Request

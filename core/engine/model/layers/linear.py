@@ -51,6 +51,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((self.output_size_per_partition, input_size), self.weight_loader)
         self.bias = _param((self.output_size_per_partition,), self.weight_loader) if bias else None
         self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
+        self.lora = None  # set with LoRA enabled: the adapters' weights added to this product (LoRALinear)
 
     def shard_bounds(self, shard_id) -> tuple[int, int, int]:
         """(offset in this rank's param, size, offset in the full checkpoint tensor) of a shard."""
@@ -67,7 +68,8 @@ class ColumnParallelLinear(nn.Module):
             param.data.narrow(0, offset, size).copy_(loaded.narrow(0, src_offset, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        out = linear(x, self.weight, self.bias, self.packed)
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -117,9 +119,11 @@ class QKVParallelLinear(nn.Module):
             "v": (q_count + kv_count, kv_start, kv_count),
         }  # (offset in param, first head, heads)
         rows = (q_count + 2 * kv_count) * head_size
+        self.input_size, self.output_size_per_partition = hidden_size, rows
         self.weight = _param((rows, hidden_size), self.weight_loader)
         self.bias = _param((rows,), self.weight_loader) if bias else None
         self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
+        self.lora = None  # set with LoRA enabled: the adapters' weights added to this product (LoRALinear)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         offset, first_head, heads = self.shards[shard_id]
@@ -129,7 +133,8 @@ class QKVParallelLinear(nn.Module):
             param.data.narrow(0, offset * size, heads * size).copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        out = linear(x, self.weight, self.bias, self.packed)
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class RowParallelLinear(nn.Module):
@@ -148,9 +153,11 @@ class RowParallelLinear(nn.Module):
             size = input_size // tp.world_size
             input_partition = (tp.rank * size, size)
         self.input_start, self.input_size_per_partition = input_partition
+        self.output_size = output_size
         self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader)
         self.bias = _param((output_size,), self._bias_loader) if bias else None
         self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
+        self.lora = None  # set with LoRA enabled: the adapters' weights added before the all-reduce (LoRALinear)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         shard = loaded.narrow(1, self.input_start, self.input_size_per_partition)
@@ -162,7 +169,10 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight, packed=self.packed))
+        out = linear(x, self.weight, packed=self.packed)
+        if self.lora is not None:  # this rank's input columns: the ranks' deltas sum to the whole one
+            out = self.lora.apply(x, out)
+        out = self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
 

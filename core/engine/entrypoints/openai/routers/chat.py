@@ -48,7 +48,7 @@ async def chat_completions(
     body: ChatCompletionRequest, http_request: Request, serving: OpenAIServing = Depends(get_serving)
 ):
     engine = serving.get_engine()
-    serving.check_model(body.model)
+    lora_request = await serving.lookup_model(engine, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
@@ -77,9 +77,10 @@ async def chat_completions(
     )
     prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
     request_id = random_id("chatcmpl")
-    prepared = await serving.prepare_off_loop(engine, [prompt], params, request_id)
+    prepared = await serving.prepare_off_loop(engine, [prompt], params, request_id, lora_request)
     serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
-    header = {"id": request_id, "object": "chat.completion", "created": now(), "model": serving.model_name}
+    model = lora_request.lora_name if lora_request is not None else serving.model_name
+    header = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
     num_top = body.top_logprobs or 0
 
     if not body.stream:

@@ -55,7 +55,7 @@ def choice_logprobs(engine, completion, num_top: Optional[int], start: int = 0) 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http_request: Request, serving: OpenAIServing = Depends(get_serving)):
     engine = serving.get_engine()
-    serving.check_model(body.model)
+    lora_request = await serving.lookup_model(engine, body.model)
     if body.echo or body.suffix:
         raise APIError("'echo' and 'suffix' are not supported", 400, "echo" if body.echo else "suffix")
     if body.logprobs is not None and body.logprobs > 5:
@@ -63,9 +63,10 @@ async def completions(body: CompletionRequest, http_request: Request, serving: O
     params = body.sampling_params(body.max_tokens, body.logprobs, 16)
     prompts = await serving.tokenized(engine, completion_prompts(body.prompt))
     request_id = random_id("cmpl")
-    prepared = await serving.prepare_off_loop(engine, prompts, params, request_id)
+    prepared = await serving.prepare_off_loop(engine, prompts, params, request_id, lora_request)
     serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
-    header = {"id": request_id, "object": "text_completion", "created": now(), "model": serving.model_name}
+    model = lora_request.lora_name if lora_request is not None else serving.model_name
+    header = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
 
     if not body.stream:
         outputs = await serving.final_outputs(engine, prepared, http_request)

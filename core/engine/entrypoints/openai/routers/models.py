@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse
 
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, now
+from engine.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+    now,
+)
 from engine.entrypoints.openai.serving import OpenAIServing, get_serving
 
 router = APIRouter()
@@ -25,9 +32,33 @@ async def models(serving: OpenAIServing = Depends(get_serving)):
                 "created": now(),
                 "owned_by": "engine",
                 "max_model_len": max_model_len,
-            }
+            },
+            *({**entry, "created": now(), "max_model_len": max_model_len} for entry in serving.adapters.models()),
         ],
     }
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(
+    body: LoadLoRAAdapterRequest, request: Request, serving: OpenAIServing = Depends(get_serving)
+):
+    """Serve a PEFT adapter folder under a name (vLLM's endpoint; needs --enable-lora-runtime-updates, and a folder
+    inside --lora-dir or --allowed-lora-paths)."""
+    engine = serving.get_engine()
+    client = request.client.host if request.client else "?"
+    await serving.adapters.load(body.lora_name, body.lora_path, engine.input_processor.lora_checker, client)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(
+    body: UnloadLoRAAdapterRequest, request: Request, serving: OpenAIServing = Depends(get_serving)
+):
+    """Stop serving an adapter to new requests (vLLM's endpoint); the requests running with it finish with it."""
+    serving.get_engine()
+    client = request.client.host if request.client else "?"
+    await serving.adapters.unload(body.lora_name, client)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 @router.post("/tokenize")
