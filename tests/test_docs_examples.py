@@ -35,6 +35,7 @@ def test_every_example_defines_a_plugin_class(examples):
         "TanhSiluKernels",
         "MyLlamaForCausalLM",
         "DigitsOnly",
+        "BucketResolver",
     }
     assert names <= set(examples)
     assert all(issubclass(examples[n], Pluggable) for n in names - {"MyLlamaForCausalLM"})
@@ -96,3 +97,12 @@ def test_the_structured_output_example_masks_and_ends(examples):
     assert matcher.accept_tokens([39]) and matcher.is_terminated()
     matcher.rollback(1)
     assert not matcher.is_terminated()
+
+
+def test_the_resolver_example_finds_its_adapters(examples):
+    import asyncio
+
+    resolver = examples["BucketResolver"](VllmConfig.load())
+    found = asyncio.run(resolver.resolve_lora("tiny", "sql"))
+    assert found is not None and (found.lora_name, found.lora_path) == ("sql", "/srv/adapters/tiny-sql")
+    assert asyncio.run(resolver.resolve_lora("tiny", "other")) is None

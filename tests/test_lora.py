@@ -516,3 +516,49 @@ def test_the_scheduler_keeps_a_steps_adapters_within_max_loras():
     output = scheduler.schedule()  # every request above finished (max_tokens=1): a3 gets a slot
     assert [new.req_id for new in output.scheduled_new_reqs] == ["r2"]
     assert output.scheduled_new_reqs[0].lora_request == adapters[2]
+
+
+def test_engine_plugins_lists_the_lora_kernels_and_resolvers(tmp_path):
+    from engine.config import VllmConfig
+    from engine.interfaces.base import SelectionContext
+    from engine.plugins import get_plugin_manager
+
+    def rows(**config):
+        return get_plugin_manager().table(SelectionContext(VllmConfig.load(**config)))
+
+    kernels = {row["name"]: row["lora"] for row in rows() if row["kind"] == "layer_kernels"}
+    assert kernels["native"].startswith("the torch reference")
+    if "cpu" in kernels:
+        assert kernels["cpu"].startswith("own kernel (CpuLayerKernels.add_lora)")
+    (resolver,) = [row for row in rows() if row["kind"] == "lora_resolver"]
+    assert resolver["name"] == "filesystem" and resolver["available"] == "no" and "lora" in resolver["reason"]
+    (resolver,) = [row for row in rows(enable_lora=True, lora_dir=str(tmp_path)) if row["kind"] == "lora_resolver"]
+    assert resolver["available"] == "yes"
+
+
+def test_speculative_decoding_verifies_drafts_with_each_requests_adapter(tiny_llama, adapters):
+    """ngram drafts (repeated prompts make some) are verified by the target model under the request's adapter:
+    greedy tokens still equal transformers + PEFT's, for an adapter and the base model in one batch."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+
+    prompts = [list(range(300 + 7 * i, 310 + 7 * i)) * 4 for i in range(2)]
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    want = {None: hf_greedy(base, prompts, MAX_TOKENS)}
+    adapted = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32), adapters["all"]
+    ).eval()
+    want["all"] = hf_greedy(adapted, prompts, MAX_TOKENS)
+    llm = LLM(
+        tiny_llama,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    pairs = [(p, name) for p in range(len(prompts)) for name in (None, "all")]
+    requests = {None: None, "all": LoRARequest("all", 2, adapters["all"])}
+    assert_matches(pairs, run(llm, prompts, pairs, requests), want)
+    assert llm.get_stats().spec_decoding.num_draft_tokens > 0
+    llm.shutdown()

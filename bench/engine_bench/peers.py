@@ -127,3 +127,15 @@ def vllm_cpu_peer(python: str, model_dir: str, dtype: str, script: str = DEFAULT
             f"--peer-model: {model_dir} is not a Hugging Face folder (make one with ../shared/bench/make_hf_model.py)"
         )
     return lambda: run_script_peer([python, script, model_dir, dtype], cwd=os.path.dirname(script))
+
+
+def vllm_cpu_lora_peer(
+    python: str, model_dir: str, dtype: str, rank: int, adapters: list[str], shared_script: str = DEFAULT_VLLM_SCRIPT
+) -> Callable[[], dict]:
+    """A runner for ``peer_vllm_lora.py`` (W1 with every request on one of ``adapters``, vLLM's multi-LoRA) under
+    ``python``; it reads W1 from the folder of the shared peer script."""
+    vllm_cpu_peer(python, model_dir, dtype, shared_script)  # the same checks of the interpreter and the model
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_vllm_lora.py")
+    shared = os.path.dirname(os.path.abspath(shared_script))
+    command = [python, script, shared, model_dir, dtype, str(rank), *adapters]
+    return lambda: run_script_peer(command, cwd=shared)

@@ -93,6 +93,15 @@ class RefusedPlugin:
     reason: str
 
 
+def lora_kernel(kernels: Any) -> str:
+    """Which batched LoRA product a LayerKernels class runs: its own ``add_lora``, or the torch reference."""
+    from engine.interfaces.layer_kernels import LayerKernels
+
+    own = getattr(kernels, "add_lora", None) is not getattr(LayerKernels, "add_lora", None)
+    origin = next((c.__qualname__ for c in getattr(kernels, "__mro__", ()) if "add_lora" in vars(c)), "?")
+    return f"own kernel ({origin}.add_lora)" if own else "the torch reference (grouped by adapter)"
+
+
 def mla_support(backend: Any) -> str:
     """Whether an attention backend serves MLA models (DeepSeek-V2/V3): "yes", or "no: why"."""
     try:
@@ -248,6 +257,8 @@ class PluginManager:
                 }
                 if kind == "attention" and hasattr(impl.cls, "get_mla_impl_cls"):
                     row["mla"] = mla_support(impl.cls)
+                if kind == "layer_kernels":
+                    row["lora"] = lora_kernel(impl.cls)
                 rows.append(row)
         for label, entries in (("(refused)", self.refused), ("(ignored hook)", self.ignored_hooks)):
             for entry in entries:

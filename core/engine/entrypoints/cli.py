@@ -90,6 +90,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         width = max(len(row["name"]) for row in mla)
         for row in mla:
             print(f"  {row['name'].ljust(width)}  {row['mla']}")
+    lora = [row for row in rows if "lora" in row]
+    if lora:
+        print("\nLoRA (the batched adapter product, LayerKernels.add_lora) per layer kernels:")
+        width = max(len(row["name"]) for row in lora)
+        for row in lora:
+            print(f"  {row['name'].ljust(width)}  {row['lora']}")
     return 0
 
 

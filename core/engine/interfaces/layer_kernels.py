@@ -166,9 +166,10 @@ class LayerKernels(Pluggable):
         self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
     ) -> torch.Tensor:
         """The batched LoRA product (vLLM's punica shrink and expand) added to a linear layer's output: for every
-        token ``t`` that runs with adapter slot ``s``, ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])``. ``x`` ``[T, in]``,
+        token ``t`` that runs with adapter slot ``s``, ``y[t] += lora_b[:, s] @ (lora_a[s] @ x[t])``. ``x`` ``[T, in]``,
         ``y`` ``[T, out]`` (may be updated in place; returned), ``lora_a`` ``[slots, R, in]`` and ``lora_b``
-        ``[slots, out, R]`` (the scaling folded into B; a merged layer's slices side by side in R, B block-diagonal),
+        ``[out, slots, R]`` (so that the first S slots of each are one matrix, ``[S * R, in]`` and ``[out, S * R]``;
+        the scaling folded into B; a merged layer's slices side by side in R, B block-diagonal),
         ``mapping`` the step's tokens grouped by slot (:class:`~engine.lora.mapping.LoRAMapping`; tokens of the base
         model are in no group). The default is the torch reference: one shrink and one expand per slot in use."""
         from engine.model.layers.lora_reference import add_lora

@@ -48,7 +48,7 @@ def layer_slices(module: Any, shard_ids: Sequence[Any]) -> list[LoRASlice]:
 
 class LoRALinear:
     """The LoRA weights of one linear layer for ``max_loras`` slots: ``lora_a [slots, n_slices * R, in]`` and
-    ``lora_b [slots, out, n_slices * R]`` (R = max_lora_rank; each slice's A rows and B columns side by side, B
+    ``lora_b [out, slots, n_slices * R]`` (R = max_lora_rank; each slice's A rows and B columns side by side, B
     block-diagonal, the scaling folded into B), zero where a slot's adapter does not reach."""
 
     def __init__(
@@ -69,13 +69,12 @@ class LoRALinear:
         out_size = module.output_size if isinstance(module, RowParallelLinear) else module.output_size_per_partition
         width = len(slices) * max_rank
         self.lora_a = torch.zeros(max_loras, width, in_size, dtype=torch.float32, device=device)
-        self.lora_b = torch.zeros(max_loras, out_size, width, dtype=torch.float32, device=device)
+        self.lora_b = torch.zeros(out_size, max_loras, width, dtype=torch.float32, device=device)
 
     def set_slot(self, slot: int, weights: Sequence[Optional[tuple[torch.Tensor, torch.Tensor, float]]]) -> None:
         """Fill ``slot`` with one adapter: per slice, its full ``(A [r, in], B [out, r], scaling)`` or None where the
         adapter leaves that projection alone."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.clear_slot(slot)
         for index, (piece, entry) in enumerate(zip(self.slices, weights)):
             if entry is None:
                 continue
@@ -84,13 +83,13 @@ class LoRALinear:
             column = index * self.max_rank
             self.lora_a[slot, column : column + rank].copy_(a[:, piece.in_start : piece.in_start + piece.in_size])
             shard_b = b[piece.src_offset : piece.src_offset + piece.out_size] * scaling
-            self.lora_b[slot, piece.out_offset : piece.out_offset + piece.out_size, column : column + rank].copy_(
+            self.lora_b[piece.out_offset : piece.out_offset + piece.out_size, slot, column : column + rank].copy_(
                 shard_b
             )
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_b[:, slot].zero_()
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` with each token's adapter product added (unchanged when no token of this step has one)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Union
 
 import numpy as np
@@ -36,6 +37,18 @@ class LoRAMapping:
             else:
                 groups.append((slot, torch.from_numpy(rows.astype(np.int64))))
         return cls(len(token_slots), tuple(groups), torch.from_numpy(token_slots.astype(np.int64)))
+
+    @property
+    def num_slots(self) -> int:
+        """Slots ``0..num_slots - 1`` cover every token's slot (a kernel may run all of them at once)."""
+        return self.groups[-1][0] + 1
+
+    @cached_property
+    def slot_mask(self) -> torch.Tensor:
+        """``[T, num_slots, 1]`` float32: 1 where token ``t`` runs with slot ``s`` (every row zero for the base
+        model's tokens), for kernels that compute every slot's shrink and keep each token's own."""
+        slots = torch.arange(self.num_slots).view(1, -1)
+        return (self.token_slots.view(-1, 1) == slots).to(torch.float32).unsqueeze(-1)
 
 
 class PunicaWrapper:

@@ -21,6 +21,7 @@ from engine.model.layers.product_choice import ProductCandidate
 from engine_attention_cpu import mamba
 from engine_attention_cpu.decode_graph import capture_decode_step
 from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
+from engine_attention_cpu.lora import MASKED_MAX_TOKENS, add_lora_masked
 from engine_attention_cpu.moe import (
     NEVER,
     CpuFusedExperts,
@@ -181,6 +182,12 @@ class CpuLayerKernels(NativeLayerKernels):
         if self._mamba is None or x.device.type != "cpu":
             return super().selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc)
         return mamba.selective_scan(self._mamba, x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc)
+
+    def add_lora(self, y, x, lora_a, lora_b, mapping):
+        """Decode-sized steps in the masked form (``lora.py``: all slots in two products), larger ones grouped."""
+        if mapping.num_tokens <= MASKED_MAX_TOKENS and _cpu_rows(x) and lora_a.device.type == "cpu":
+            return add_lora_masked(y, x, lora_a, lora_b, mapping)
+        return super().add_lora(y, x, lora_a, lora_b, mapping)
 
     def capture_decode_step(self, model, attention_layers):
         """The decoder-layer loop of a Llama-shaped model replayed in C++ for pure decode steps (``decode_graph``)."""

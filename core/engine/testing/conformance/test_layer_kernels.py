@@ -304,7 +304,7 @@ def test_batched_lora_product_matches_each_tokens_own_product(kernels, dtype, la
     gen = torch.Generator().manual_seed(7)
     slots, rank, hidden, out = 3, 8, 40, 56
     lora_a = torch.randn(slots, rank, hidden, generator=gen)
-    lora_b = torch.randn(slots, out, rank, generator=gen) * 0.1
+    lora_b = torch.randn(out, slots, rank, generator=gen) * 0.1
     token_slots = {
         "runs": [0] * 5 + [2] * 7 + [-1] * 3 + [1] * 4,
         "scattered": [1, -1, 0, 1, 2, 0, -1, 2, 1, 0, 0, 2],
@@ -318,7 +318,7 @@ def test_batched_lora_product_matches_each_tokens_own_product(kernels, dtype, la
     want = y.clone()
     for t, slot in enumerate(token_slots):
         if slot >= 0:
-            want[t] += (lora_b[slot] @ (lora_a[slot] @ x[t].float())).to(dtype)
+            want[t] += (lora_b[:, slot] @ (lora_a[slot] @ x[t].float())).to(dtype)
     got = kernels.add_lora(y.clone(), x, lora_a, lora_b, mapping)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, **tolerance(dtype))
