@@ -10,9 +10,9 @@ import torch
 def add_lora(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: Any
 ) -> torch.Tensor:
-    """``y[t] += B[:, s] (A[s] x[t])`` for every token ``t`` of slot ``s`` (``mapping.groups``: the step's tokens grouped
-    by slot), in place; the products run in the adapters' dtype, once per slot with tokens (a run of consecutive
-    tokens is a view, scattered ones are gathered)."""
+    """``y[t] += B[:, s] (A[s] x[t])`` for every token ``t`` of slot ``s`` (``mapping.groups``: the step's tokens
+    grouped by slot), in place; the products run in the adapters' dtype, once per slot with tokens (a run of
+    consecutive tokens is a view, scattered ones are gathered)."""
     for slot, rows in mapping.groups:
         a, b = lora_a[slot], lora_b[:, slot]
         if isinstance(rows, slice):
