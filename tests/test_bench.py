@@ -269,8 +269,6 @@ def test_speculative_variants_report_acceptance_and_the_ratio_to_spec_off(tiny_l
         "2",
         "--speculative-method",
         "none,suffix",
-        "--ab",
-        "max_num_seqs=1,8",
         "--dtype",
         "float32",
         "--no-bound",
@@ -281,19 +279,11 @@ def test_speculative_variants_report_acceptance_and_the_ratio_to_spec_off(tiny_l
     )
     assert result.returncode == 0, result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    assert sorted(rows) == [
-        "none+max_num_seqs=1",
-        "none+max_num_seqs=8",
-        "suffix+max_num_seqs=1",
-        "suffix+max_num_seqs=8",
-    ]
-    for batch in ("1", "8"):
-        spec, off = rows[f"suffix+max_num_seqs={batch}"], rows[f"none+max_num_seqs={batch}"]
-        assert spec["output_ratio_to_spec_off"] == spec["output_tokens_per_s"] / off["output_tokens_per_s"]
-        assert (
-            0 <= spec["spec_acceptance_rate"] <= 1 and spec["spec_num_draft_tokens"] >= spec["spec_num_accepted_tokens"]
-        )
-        assert "spec_acceptance_rate" not in off
+    assert sorted(rows) == ["none", "suffix"]  # crossed with other keys: test_ab_takes_any_config_key_crossed...
+    spec, off = rows["suffix"], rows["none"]
+    assert spec["output_ratio_to_spec_off"] == spec["output_tokens_per_s"] / off["output_tokens_per_s"]
+    assert 0 <= spec["spec_acceptance_rate"] <= 1 and spec["spec_num_draft_tokens"] >= spec["spec_num_accepted_tokens"]
+    assert "spec_acceptance_rate" not in off
     assert is_png(plot) and "acceptance" in result.stdout
 
 
@@ -672,9 +662,9 @@ def test_soak_drives_mixed_traffic_and_finds_no_leak_or_unintended_error(tiny_ll
         "bench",
         "soak",
         "--duration",
-        "20s",
+        "12s",
         "--warmup",
-        "5s",
+        "3s",
         "--request-rate",
         "5",
         "--sample-interval",
@@ -691,7 +681,7 @@ def test_soak_drives_mixed_traffic_and_finds_no_leak_or_unintended_error(tiny_ll
         "--max-model-len",
         "1024",
     )
-    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: a growth target missed (noise in 20 s)
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: a growth target missed (noise in 12 s)
     report = json.loads(out.read_text())
     assert report["unexpected_errors"] == 0, report["unexpected_examples"]
     assert report["kv_blocks_all_back"] is True

@@ -536,29 +536,50 @@ def test_engine_plugins_lists_the_lora_kernels_and_resolvers(tmp_path):
     assert resolver["available"] == "yes"
 
 
-def test_speculative_decoding_verifies_drafts_with_each_requests_adapter(tiny_llama, adapters):
-    """ngram drafts (repeated prompts make some) are verified by the target model under the request's adapter:
-    greedy tokens still equal transformers + PEFT's, for an adapter and the base model in one batch."""
-    from transformers import AutoModelForCausalLM
-
+def test_speculative_decoding_verifies_drafts_with_each_requests_adapter(
+    tiny_llama, oracle, adapters, prompts, references
+):
+    """Drafts of the oracle proposer (transformers + PEFT's tokens, one in three made wrong) are verified by the target
+    model under each request's adapter: accepted where right, rejected where wrong, and the greedy tokens stay
+    transformers + PEFT's, for two adapters and the base model in one batch."""
     from engine import LLM
+    from tests.helpers import oracle_spec_config
 
-    prompts = [list(range(300 + 7 * i, 310 + 7 * i)) * 4 for i in range(2)]
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    want = {None: hf_greedy(base, prompts, MAX_TOKENS)}
-    adapted = peft.PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32), adapters["all"]
-    ).eval()
-    want["all"] = hf_greedy(adapted, prompts, MAX_TOKENS)
+    pairs = [(0, None), (1, "all"), (2, "ko"), (3, "mlp")]
+    drafts = {",".join(map(str, prompts[p])): references[name][p] for p, name in pairs}
     llm = LLM(
         tiny_llama,
         dtype="float32",
         enable_lora=True,
-        max_loras=2,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        max_loras=3,
+        speculative_config=oracle_spec_config(oracle, drafts),
     )
-    pairs = [(p, name) for p in range(len(prompts)) for name in (None, "all")]
-    requests = {None: None, "all": LoRARequest("all", 2, adapters["all"])}
+    assert_matches(pairs, run(llm, prompts, pairs, lora_requests(adapters)), references)
+    counters = llm.get_stats().spec_decoding
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    llm.shutdown()
+
+
+def test_adapters_over_int8_quantized_base_weights(tiny_llama, hf_tiny_llama, adapters, prompts):
+    """LoRA adds to the product whatever the base weights are: over weight-only int8 (native kernels: products on
+    the de-quantized weights) greedy tokens equal transformers + PEFT on the int8-rounded base."""
+    from engine import LLM
+    from tests.helpers import rounded_copy
+
+    rounded = rounded_copy(hf_tiny_llama)
+    want = {
+        name: hf_greedy(
+            peft.PeftModel.from_pretrained(rounded_copy(hf_tiny_llama), adapters[name]).eval(), prompts[:2], MAX_TOKENS
+        )
+        for name in ("all", "mlp")
+    }
+    want[None] = hf_greedy(rounded.eval(), prompts[:2], MAX_TOKENS)
+    llm = LLM(tiny_llama, dtype="float32", quantization="int8", layer_kernels="native", enable_lora=True, max_loras=2)
+    pairs = [(p, name) for p in range(2) for name in (None, "all", "mlp")]
+    requests = {
+        None: None,
+        "all": LoRARequest("all", 2, adapters["all"]),
+        "mlp": LoRARequest("mlp", 3, adapters["mlp"]),
+    }
     assert_matches(pairs, run(llm, prompts, pairs, requests), want)
-    assert llm.get_stats().spec_decoding.num_draft_tokens > 0
     llm.shutdown()
