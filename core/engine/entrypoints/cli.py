@@ -84,18 +84,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("  ".join(h.upper().ljust(widths.get(h, 0)) for h in headers))
     for row in rows:
         print("  ".join(row[h].ljust(widths.get(h, 0)) for h in headers))
-    mla = [row for row in rows if "mla" in row]
-    if mla:
-        print("\nMLA (multi-head latent attention: DeepSeek-V2/V3) per attention backend:")
-        width = max(len(row["name"]) for row in mla)
-        for row in mla:
-            print(f"  {row['name'].ljust(width)}  {row['mla']}")
-    lora = [row for row in rows if "lora" in row]
-    if lora:
-        print("\nLoRA (the batched adapter product, LayerKernels.add_lora) per layer kernels:")
-        width = max(len(row["name"]) for row in lora)
-        for row in lora:
-            print(f"  {row['name'].ljust(width)}  {row['lora']}")
+    for column, title in (
+        ("mla", "MLA (multi-head latent attention: DeepSeek-V2/V3) per attention backend"),
+        ("lora", "LoRA (the batched adapter product, LayerKernels.add_lora) per layer kernels"),
+    ):
+        listed = [row for row in rows if column in row]
+        if listed:
+            print(f"\n{title}:")
+            width = max(len(row["name"]) for row in listed)
+            for row in listed:
+                print(f"  {row['name'].ljust(width)}  {row[column]}")
     return 0
 
 

@@ -83,10 +83,6 @@ class PEFTAdapter:
     target_modules: list[str]
     modules: dict[str, AdapterModule] = field(default_factory=dict)
 
-    @property
-    def has_weights(self) -> bool:
-        return all(m.lora_a is not None and m.lora_b is not None for m in self.modules.values())
-
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern: a key matches a module name it ends (or fully matches as a regex)."""

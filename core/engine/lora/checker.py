@@ -38,8 +38,3 @@ class LoRAAdapterChecker:
         with self._lock:
             self._checked[key] = adapter
         return adapter
-
-    def forget(self, lora_int_id: int) -> None:
-        with self._lock:
-            for key in [k for k in self._checked if k[0] == lora_int_id]:
-                del self._checked[key]

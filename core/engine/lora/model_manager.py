@@ -131,16 +131,6 @@ class LoRAModelManager:
                 for layer in self.layers:
                     layer.clear_slot(slot)
 
-    def remove_adapter(self, lora_id: int) -> bool:
-        """Forget an adapter (it is loaded again from its folder if a later request names it)."""
-        known = lora_id in self.requests
-        self._unload(lora_id)
-        self.requests.pop(lora_id, None)
-        return known
-
-    def list_adapters(self) -> list[int]:
-        return list(self.adapters)
-
     def _activate(self, lora_id: int, needed: set[int]) -> int:
         """The slot holding adapter ``lora_id``, filling the least recently used slot no adapter of this step
         needs."""
