@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Engines the tests start (in this process and the servers and workers they launch) take a 512 MiB KV cache, not
+# the 2 GiB default: zeroing it and making its blocks cost a third of a tiny engine's start-up, hundreds of times
+# a run. Tests of sizes and precedence set or remove the variable themselves.
+os.environ.setdefault("ENGINE_CACHE__KV_CACHE_MEMORY", "512MiB")
 if not torch.cuda.is_available():
     # Triton binds its library functions to interpreter mode at import: set it before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")

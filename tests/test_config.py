@@ -8,14 +8,17 @@ from engine.config import ConfigError, VllmConfig
 from engine.entrypoints.cli import build_parser, config_from_args
 
 
-def test_defaults():
+def test_defaults(monkeypatch):
+    monkeypatch.delenv("ENGINE_CACHE__KV_CACHE_MEMORY", raising=False)  # set for the suite by conftest
     config = VllmConfig.load()
+    assert config.cache.kv_cache_memory == 2 * 1024**3
     assert config.cache.block_size == 16
     assert config.attention.backend == "auto"
     assert config.scheduler.max_num_batched_tokens == 2048
 
 
 def test_precedence_defaults_yaml_env_kwargs(tmp_path, monkeypatch):
+    monkeypatch.delenv("ENGINE_CACHE__KV_CACHE_MEMORY", raising=False)
     path = tmp_path / "deploy.yaml"
     path.write_text(
         "cache:\n  block_size: 32\n  kv_cache_memory: 1GiB\nscheduler:\n  max_num_seqs: 7\n"

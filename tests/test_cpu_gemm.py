@@ -1,7 +1,8 @@
-"""The ``cpu`` layer kernels' packed GEMM (``csrc/gemm.cpp``): against a float64 product over the
-register tile's edges (rows not a multiple of 6, columns not a multiple of 16, K split into chunks),
-with and without bias; rows independent of their batch and of the thread count; bfloat16
-activations, strided rows, empty batches, concurrent callers; and which weights the loader packs."""
+"""The ``cpu`` layer kernels' packed GEMM (``csrc/gemm.cpp``): every ISA variant (natively or over SIMDe) equal to the
+avx2 variant bit for bit; against a float64 product over the register tile's edges (rows not a multiple of 6,
+columns not a multiple of 16, K split into chunks), with and without bias; rows independent of their batch and of
+the thread count; bfloat16 activations, strided rows, empty batches, concurrent callers; and which weights the
+loader packs."""
 
 from __future__ import annotations
 
@@ -51,6 +52,68 @@ def test_packed_product_matches_float64(cpu, rows, out_features, in_features, wi
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     product = cpu.pack_linear(weight, bias)
     assert_float32_product(product(x), x, weight, bias)
+
+
+def _gemm_variant_cases():
+    """(variant, emulated) for every GEMM variant past avx2: run natively where the CPU has it, else over SIMDe's
+    AVX-512 (the ``_gemm_emulated`` build, made where the CPU lacks AVX-512); a skip says which is missing."""
+    from engine_attention_cpu.gemm import gemm_variants
+
+    cases = []
+    for variant, runnable in gemm_variants().items():
+        if variant == "avx2":
+            continue
+        if runnable:
+            cases.append(pytest.param(variant, False, id=f"{variant}-native"))
+        elif importlib.util.find_spec("engine_attention_cpu._gemm_emulated") is not None:
+            cases.append(pytest.param(variant, True, id=f"{variant}-simde"))
+        else:
+            cases.append(
+                pytest.param(
+                    variant,
+                    False,
+                    id=variant,
+                    marks=pytest.mark.skip(reason="neither this CPU nor a SIMDe build runs it"),
+                )
+            )
+    return cases
+
+
+@pytest.mark.parametrize(
+    "variant,emulated", _gemm_variant_cases() if importlib.util.find_spec("engine_attention_cpu._gemm") else []
+)
+def test_every_gemm_variant_gives_the_avx2_variants_bits(cpu, variant, emulated):
+    """One kernel logic, every ISA: the avx512 variant's 12x32 tile and 4-panel decode rows run the same fused
+    multiply-add chains as the avx2 variant, so its outputs are equal bit for bit over the tiles' edges (rows 1-4
+    take the decode path; 12, 13, 72 and 73 the tile and row-block edges; an odd panel count leaves a single panel;
+    K past one chunk), with and without bias."""
+    from engine_attention_cpu.gemm import CpuPackedLinear
+
+    gen = torch.Generator().manual_seed(11)
+    for out_features, in_features in [(16, 64), (40, 7), (200, 1536), (96, 576), (24, 1000)]:
+        weight = torch.randn(out_features, in_features, generator=gen)
+        bias = torch.randn(out_features, generator=gen)
+        for with_bias in (None, bias):
+            avx2 = CpuPackedLinear(weight, with_bias, "avx2")
+            wide = CpuPackedLinear(weight, with_bias, variant, emulated=emulated)
+            assert wide.variant == variant
+            for rows in (1, 2, 3, 4, 5, 12, 13, 72, 73):
+                x = torch.randn(rows, in_features, generator=gen)
+                assert torch.equal(wide(x), avx2(x)), (out_features, in_features, rows, with_bias is not None)
+
+
+def test_the_widest_gemm_variant_is_the_default_and_an_absent_one_is_refused(cpu):
+    from engine_attention_cpu.gemm import CpuPackedLinear, gemm_variants
+
+    found = gemm_variants()
+    assert list(found) == ["avx2", "avx512"] and found["avx2"]
+    widest = [name for name, ok in found.items() if ok][-1]
+    assert CpuPackedLinear(torch.randn(8, 8)).variant == widest
+    names = [c.name for c in cpu.product_candidates(torch.float32)]
+    assert names[0] == f"cpu-{widest}" and "cpu-avx2" in names
+    if not found["avx512"]:
+        with pytest.raises(RuntimeError, match="avx512"):
+            CpuPackedLinear(torch.randn(8, 8), variant="avx512")
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(cpu):
@@ -130,11 +193,11 @@ def test_a_model_loaded_with_the_cpu_kernels_packs_every_product_and_agrees(tiny
     kernels = CpuLayerKernels()
     model = load_model(info, torch.device("cpu"), show_progress=False, layer_kernels=kernels)
     linears = linear_layers(model)
-    # every product is the one measured fastest for its shape: the AVX2 GEMM competes with torch's
-    assert kernels.product_table.key["candidates"][0] == "cpu-avx2"
+    # every product is the one measured fastest for its shape: the GEMM's variants compete with torch's
+    assert kernels.product_table.key["candidates"][0] in ("cpu-avx2", "cpu-avx512")
     assert linears and all(m.packed is not None for m in linears) and model.logits_gemm is not None
     chosen = {c.chosen["decode"] for c in kernels.product_table.choices.values()}
-    assert chosen <= {"cpu-avx2", "onednn", "torch"}
+    assert chosen <= {"cpu-avx2", "cpu-avx512", "onednn", "torch"}
     gen = torch.Generator().manual_seed(8)
     for module in linears:
         x = torch.randn(11, module.weight.shape[1], generator=gen)

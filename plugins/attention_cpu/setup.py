@@ -1,6 +1,7 @@
 """Builds the C++ kernels against the installed torch (install with --no-build-isolation)."""
 
 import importlib.metadata
+import os
 import pathlib
 
 from setuptools import setup
@@ -30,13 +31,22 @@ def simde_include_dir():
 
 
 def emulated_extensions():
-    """On a CPU without AVX-512 VNNI, the quantized kernels a second time with SIMDe's AVX-512 (tests only): the
-    avx512vnni variant's code is then tested on this machine too."""
+    """On a CPU without AVX-512 VNNI, the GEMM and the quantized kernels a second time with SIMDe's AVX-512 (tests
+    only): the avx512 and avx512vnni variants' code is then tested on this machine too. ENGINE_BUILD_EMULATED=1
+    builds them on any CPU (to check that build where the CPU has the instructions)."""
     include = simde_include_dir()
-    if include is None or AVX512_VNNI_FLAGS <= cpu_flags():
+    forced = os.environ.get("ENGINE_BUILD_EMULATED") == "1"
+    if include is None or (AVX512_VNNI_FLAGS <= cpu_flags() and not forced):
         return []
     emulate = ["-DENGINE_EMULATE_AVX512", "-ffp-contract=off"]
     return [
+        CppExtension(
+            "engine_attention_cpu._gemm_emulated",
+            ["engine_attention_cpu/csrc/gemm.cpp"],
+            include_dirs=[include],
+            extra_compile_args=FLAGS + ["-DENGINE_EMULATE_AVX512"],
+            extra_link_args=["-fopenmp"],
+        ),
         CppExtension(
             "engine_attention_cpu._quant_emulated",
             ["engine_attention_cpu/csrc/quant_gemm.cpp"],

@@ -47,7 +47,7 @@ def product_spec(name: str, product) -> tuple:
         max_rows, product = product.products[0]
         _require(max_rows >= MAX_BATCH_SIZE, f"{name}: its first row bucket ends below {MAX_BATCH_SIZE} rows")
     if isinstance(product, CpuPackedLinear):
-        return ("gemm", product.panels, product.bias, product.out_features)
+        return ("gemm", product.panels, product.bias, product.out_features, product.variant_id)
     if isinstance(product, QuantDotProduct):
         weight = product.weight
         return (

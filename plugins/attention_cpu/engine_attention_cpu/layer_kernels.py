@@ -1,8 +1,8 @@
-"""The ``cpu`` LayerKernels: RMSNorm (with its residual add), SiLU-and-multiply and RoPE, each one
-pass over its rows in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops, the linear
-products on weights packed for an AVX2 GEMM (``gemm.py``, ``csrc/gemm.cpp``) where it measures faster than
-torch's products on the model's shapes (``engine.model.layers.product_choice``), and the fused
-mixture-of-experts operation on experts packed for that GEMM (``moe.py``, ``csrc/fused_moe.cpp``).
+"""The ``cpu`` LayerKernels: RMSNorm (with its residual add), SiLU-and-multiply and RoPE, each one pass over its rows
+in C++ (``csrc/layer_kernels.cpp``) instead of several torch ops, the linear products on weights packed for a
+register-tile GEMM in AVX2 and AVX-512 variants (``gemm.py``, ``csrc/gemm.cpp``) where it measures faster than
+torch's products on the model's shapes (``engine.model.layers.product_choice``), and the fused mixture-of-experts
+operation on experts packed for that GEMM (``moe.py``, ``csrc/fused_moe.cpp``).
 
 Inputs the kernels do not take (another device, float64, odd RoPE sizes, 16-bit weights on a CPU
 with native 16-bit GEMMs) go to the native torch ops.
@@ -20,7 +20,7 @@ from engine.model.layers.native_kernels import NativeLayerKernels
 from engine.model.layers.product_choice import ProductCandidate
 from engine_attention_cpu import mamba
 from engine_attention_cpu.decode_graph import capture_decode_step
-from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available
+from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available, gemm_variants
 from engine_attention_cpu.lora import MASKED_MAX_TOKENS, add_lora_masked
 from engine_attention_cpu.moe import (
     NEVER,
@@ -86,11 +86,16 @@ class CpuLayerKernels(NativeLayerKernels):
         return all(importlib.util.find_spec(f"engine_attention_cpu.{ext}") is not None for ext in ("_quant", "_gemm"))
 
     def product_candidates(self, dtype):
-        """This plugin's AVX2 GEMM (where built with it, listed first: the default) beside torch's products; on
-        each shape and row bucket another wins only when it is clearly faster (``engine bench kernels``)."""
+        """This plugin's GEMM in each ISA variant this CPU runs (the widest listed first: the default; the variants
+        give the same bits) beside torch's products; on each shape and row bucket another wins only when it is
+        clearly faster (``engine bench kernels``)."""
         candidates = super().product_candidates(dtype)
         if self._gemm:
-            candidates.insert(0, ProductCandidate("cpu-avx2", lambda w, b: CpuPackedLinear(w, b)))
+            runnable = [name for name, ok in gemm_variants().items() if ok]
+            for variant in runnable:  # inserted in front, so the widest ends first
+                candidates.insert(
+                    0, ProductCandidate(f"cpu-{variant}", lambda w, b, variant=variant: CpuPackedLinear(w, b, variant))
+                )
         return candidates
 
     def quantized_product_candidates(self, weight_format):

@@ -1,11 +1,11 @@
 """The ``cpu`` layer kernels' fused mixture-of-experts operation: one C++ call per MoE layer and step
 (``csrc/fused_moe.cpp``) that groups the tokens by expert and runs each expert's rows as one product.
 
-An expert's product is this plugin's AVX2 GEMM on 16-column float32 panels or oneDNN's packed product (float32, or
-the model's 16-bit dtype on CPUs with native 16-bit GEMMs), chosen by row count: both are timed once on the
-experts' shapes at the row counts experts see (a few rows per expert in decode steps, hundreds in prompt chunks),
-and oneDNN takes the products from the smallest row count where it is clearly faster on both shapes. Only the
-weights a chosen kind reads are kept.
+An expert's product is this plugin's GEMM (its widest ISA variant) on 16-column float32 panels or oneDNN's packed
+product (float32, or the model's 16-bit dtype on CPUs with native 16-bit GEMMs), chosen by row count: both are
+timed once on the experts' shapes at the row counts experts see (a few rows per expert in decode steps, hundreds in
+prompt chunks), and oneDNN takes the products from the smallest row count where it is clearly faster on both
+shapes. Only the weights a chosen kind reads are kept.
 
 Experts a quantization method packed (int8, GGUF Q4/Q8 blocks) stay packed: small products run the integer-dot
 kernels of ``quant.py`` on them, large ones de-quantize each expert's weight into the GEMM's panels on each call, from
@@ -88,11 +88,11 @@ def measure_onednn_min_rows(
         panels = _gemm.pack_weight(weight.detach().float())
         onednn = PackedLinear(weight, None) if dtype == torch.float32 else PackedHalfLinear(weight, None, dtype)
 
-        def avx2(x: torch.Tensor, panels: torch.Tensor = panels, n: int = n) -> torch.Tensor:
-            return _gemm.forward(x, panels, None, n)
+        def gemm(x: torch.Tensor, panels: torch.Tensor = panels, n: int = n) -> torch.Tensor:
+            return _gemm.forward(x, panels, None, n)  # the widest GEMM variant this CPU has, as the experts run
 
-        shapes.append((weight.shape[1], {"cpu-avx2": avx2, "onednn": onednn}))
-    return _smallest_winning_rows(shapes, "onednn", "cpu-avx2")
+        shapes.append((weight.shape[1], {"cpu-gemm": gemm, "onednn": onednn}))
+    return _smallest_winning_rows(shapes, "onednn", "cpu-gemm")
 
 
 def measure_dequant_min_rows(

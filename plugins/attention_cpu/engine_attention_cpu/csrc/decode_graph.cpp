@@ -57,7 +57,7 @@ struct Product {
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case kQuant: return engine_quant::forward(x, weight, scales, format, variant, bias, out_features);
-      case kGemm: return engine_cpu::forward(x, weight, bias, out_features);
+      case kGemm: return engine_cpu::forward(x, weight, bias, out_features, variant);
       default: {
         py::gil_scoped_acquire gil;
         return (*callable)(x).cast<torch::Tensor>();
@@ -157,7 +157,7 @@ class DecodeGraph {
   }
 
  private:
-  // ("gemm", panels, bias, out_features), ("quant", data, scales, bias, format, variant, out_features) or
+  // ("gemm", panels, bias, out_features, variant), ("quant", data, scales, bias, format, variant, out_features) or
   // ("python", callable)
   static Product product(const py::tuple& spec) {
     Product p;
@@ -171,12 +171,15 @@ class DecodeGraph {
     }
     p.weight = spec[1].cast<torch::Tensor>();
     if (kind == "gemm") {
-      TORCH_CHECK(spec.size() == 4, "a gemm product is (\"gemm\", panels, bias, out_features)");
+      TORCH_CHECK(spec.size() == 5, "a gemm product is (\"gemm\", panels, bias, out_features, variant)");
       p.bias = spec[2].cast<c10::optional<torch::Tensor>>();
       p.out_features = spec[3].cast<int64_t>();
+      p.variant = spec[4].cast<int64_t>();
+      TORCH_CHECK(engine_cpu::cpu_has_variant(p.variant), "this CPU lacks the instructions of GEMM variant ",
+                  p.variant);
     } else {
       TORCH_CHECK(kind == "quant" && spec.size() == 7,
-                  "a product is (\"gemm\", panels, bias, n) or (\"quant\", data, scales, bias, format, variant, n)");
+                  "a product is (\"gemm\", panels, bias, n, variant) or (\"quant\", data, scales, bias, format, variant, n)");
       p.kind = Product::kQuant;
       p.scales = spec[2].cast<c10::optional<torch::Tensor>>();
       p.bias = spec[3].cast<c10::optional<torch::Tensor>>();

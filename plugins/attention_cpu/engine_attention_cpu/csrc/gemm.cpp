@@ -18,6 +18,13 @@
 #include "spin_pool.h"
 #include "vec_avx2.h"
 
+#ifdef ENGINE_EMULATE_AVX512
+// The build for tests on CPUs without AVX-512 (setup.py's *_emulated modules): the AVX-512 variant's instructions
+// come from SIMDe (exact, slow), the AVX2 ones stay native.
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#endif
+
 namespace engine_cpu {
 namespace {
 
@@ -94,15 +101,16 @@ void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b, float* 
   }
 }
 
-// Row panel p of x (rows [6p, 6p+6), zero past m), k in [k0, k0+kc), as [kc][6].
-void pack_row_panel(const float* x, int64_t ldx, int64_t m, int64_t p, int64_t k0, int64_t kc, float* dst) {
-  const int64_t r0 = p * kRows, rows = std::min(kRows, m - r0);
-  for (int64_t r = 0; r < kRows; ++r) {
+// Row panel p of x (rows [R p, R p + R) for R = panel_rows, zero past m), k in [k0, k0+kc), as [kc][R].
+void pack_row_panel(const float* x, int64_t ldx, int64_t m, int64_t p, int64_t k0, int64_t kc, float* dst,
+                    int64_t panel_rows = kRows) {
+  const int64_t r0 = p * panel_rows, rows = std::min(panel_rows, m - r0);
+  for (int64_t r = 0; r < panel_rows; ++r) {
     if (r < rows) {
       const float* src = x + (r0 + r) * ldx + k0;
-      for (int64_t k = 0; k < kc; ++k) dst[k * kRows + r] = src[k];
+      for (int64_t k = 0; k < kc; ++k) dst[k * panel_rows + r] = src[k];
     } else {
-      for (int64_t k = 0; k < kc; ++k) dst[k * kRows + r] = 0.f;
+      for (int64_t k = 0; k < kc; ++k) dst[k * panel_rows + r] = 0.f;
     }
   }
 }
@@ -229,9 +237,225 @@ void linear_panels(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m,
 }
 #endif
 
-// out[M, N] = x[M, K] @ weight.T + bias, with the weight packed by pack_weight and bias padded to the panels.
-void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
 #ifdef ENGINE_AVX2
+// The AVX-512 variant: the same packed panels, the same k chunks and the same fused multiply-add chain per output
+// element in the same order, so its results are the AVX2 variant's bits; 512-bit lanes and the 32 registers give
+// a 12x32 tile (two panels, 24 accumulators: 4 loads for 24 FMAs of 16 lanes, against 8 for 12 of 8 on AVX2).
+#ifndef ENGINE_EMULATE_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#endif
+namespace avx512 {
+
+constexpr int64_t kRows = 12;  // rows of the register tile; x is packed in panels of this many rows
+
+// c[r][0:cols] = (first ? bias : c[r]) + sum_k a[k][r] * b[k][:] over one panel (b0) or two (b0, then b1).
+template <int ROWS, bool PAIR>
+__attribute__((noinline)) void tile(int64_t kc, const float* __restrict a, const float* __restrict b0,
+                                    const float* __restrict b1, float* __restrict c, int64_t ldc, int64_t cols,
+                                    bool first, const float* bias) {
+  __m512 acc0[ROWS], acc1[ROWS];
+#pragma GCC unroll 12
+  for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k, a += kRows, b0 += kCols, b1 += kCols) {
+    const __m512 w0 = _mm512_loadu_ps(b0);
+    const __m512 w1 = PAIR ? _mm512_loadu_ps(b1) : w0;
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r]);
+      acc0[r] = _mm512_fmadd_ps(av, w0, acc0[r]);
+      if constexpr (PAIR) acc1[r] = _mm512_fmadd_ps(av, w1, acc1[r]);
+    }
+  }
+  constexpr int64_t width = PAIR ? 2 * kCols : kCols;
+  if (cols == width) {
+    const __m512 zero = _mm512_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) {
+      float* row = c + r * ldc;
+      _mm512_storeu_ps(row, _mm512_add_ps(acc0[r], first ? (bias ? _mm512_loadu_ps(bias) : zero) : _mm512_loadu_ps(row)));
+      if constexpr (PAIR)
+        _mm512_storeu_ps(row + kCols, _mm512_add_ps(acc1[r], first ? (bias ? _mm512_loadu_ps(bias + kCols) : zero)
+                                                                    : _mm512_loadu_ps(row + kCols)));
+    }
+    return;
+  }
+  // the ragged last panel: each sum added as a scalar (one rounding, the same as a vector lane's)
+  alignas(64) float sums[width];
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_store_ps(sums, acc0[r]);
+    if constexpr (PAIR) _mm512_store_ps(sums + kCols, acc1[r]);
+    float* row = c + r * ldc;
+    for (int64_t j = 0; j < cols; ++j) row[j] = sums[j] + (first ? (bias ? bias[j] : 0.f) : row[j]);
+  }
+}
+
+template <bool PAIR>
+void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b0, const float* b1, float* c, int64_t ldc,
+               int64_t cols, bool first, const float* bias) {
+#define ENGINE_TILE_CASE(R) \
+  case R: return tile<R, PAIR>(kc, a, b0, b1, c, ldc, cols, first, bias);
+  switch (rows) {
+    ENGINE_TILE_CASE(12) ENGINE_TILE_CASE(11) ENGINE_TILE_CASE(10) ENGINE_TILE_CASE(9) ENGINE_TILE_CASE(8)
+    ENGINE_TILE_CASE(7) ENGINE_TILE_CASE(6) ENGINE_TILE_CASE(5) ENGINE_TILE_CASE(4) ENGINE_TILE_CASE(3)
+    ENGINE_TILE_CASE(2) default: return tile<1, PAIR>(kc, a, b0, b1, c, ldc, cols, first, bias);
+  }
+#undef ENGINE_TILE_CASE
+}
+
+// linear_panels' work on a float32 packed weight w, a work item being a row block against a pair of panels.
+void linear(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
+            const float* bias_ptr, const float* w) {
+  const int64_t kc_max = chunk_size(k), row_panels = (m + kRows - 1) / kRows;
+  const int64_t chunk_stride = row_panels * kRows;
+  std::vector<float>& buffer = packed_x_buffer();
+  if (buffer.size() < static_cast<size_t>(chunk_stride * k)) buffer.resize(chunk_stride * k);
+  float* ax = buffer.data();
+  const int threads = (m * n * k >= (int64_t)1 << 18) ? at::get_num_threads() : 1;
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t block_rows =
+      std::max<int64_t>(kRows, std::min<int64_t>(kRowBlock, kRowBlockFloats / k / kRows * kRows));
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  std::vector<ItemRange> ranges(threads);
+  for (int t = 0; t < threads; ++t) {
+    ranges[t].first_panel = pairs * t / threads;
+    ranges[t].width = pairs * (t + 1) / threads - ranges[t].first_panel;
+    ranges[t].reset(0, ranges[t].width * row_blocks);
+  }
+
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(dynamic) collapse(2)
+    for (int64_t k0 = 0; k0 < k; k0 += kc_max)
+      for (int64_t p = 0; p < row_panels; ++p) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * kRows * kc, kRows);
+      }
+    auto compute = [&](const ItemRange& range, int64_t item) {
+      const int64_t i0 = (item / range.width) * block_rows, i1 = std::min(m, i0 + block_rows);
+      const int64_t q = 2 * (range.first_panel + item % range.width);
+      const bool pair = q + 1 < panels;
+      const int64_t cols = std::min((pair ? 2 : 1) * kCols, n - q * kCols);
+      const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
+      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        const float* chunk = ax + k0 * chunk_stride;
+        const float* b0 = w + (q * k + k0) * kCols;
+        const float* b1 = pair ? b0 + k * kCols : b0;
+        for (int64_t i = i0; i < i1; i += kRows) {
+          const float* a = chunk + (i / kRows) * kRows * kc;
+          if (pair) tile_rows<true>(std::min(kRows, m - i), kc, a, b0, b1, c + i * n + q * kCols, n, cols, k0 == 0, panel_bias);
+          else tile_rows<false>(std::min(kRows, m - i), kc, a, b0, b1, c + i * n + q * kCols, n, cols, k0 == 0, panel_bias);
+        }
+      }
+    };
+    const int t = omp_get_thread_num();
+    int64_t item;
+    while (ranges[t].take_front(item)) compute(ranges[t], item);
+    for (int other = 1; other < threads; ++other) {
+      ItemRange& range = ranges[(t + other) % threads];
+      while (range.take_back(item)) compute(range, item);
+    }
+  }
+}
+
+// R <= 4 rows against G panels from q: each output one FMA chain over k per k chunk, the chunks added in order,
+// as the AVX2 gemv_panels adds them; G panels at once keep G independent chains per row in flight.
+template <int R, int G>
+void gemv_group(const float* x, int64_t ldx, const float* w, int64_t k, int64_t n, const float* bias, float* c,
+                int64_t ldc, int64_t q) {
+  const int64_t kc_max = chunk_size(k);
+  __m512 out[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) out[r][j] = bias ? _mm512_loadu_ps(bias + (q + j) * kCols) : _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, k - k0);
+    const float* panel = w + (q * k + k0) * kCols;
+    __m512 acc[R][G];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < G; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kc; ++i) {
+      __m512 wv[G];
+#pragma GCC unroll 4
+      for (int j = 0; j < G; ++j) wv[j] = _mm512_loadu_ps(panel + j * k * kCols + i * kCols);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + k0 + i]);
+#pragma GCC unroll 4
+        for (int j = 0; j < G; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < G; ++j) out[r][j] = _mm512_add_ps(acc[r][j], out[r][j]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) {
+      float* row = c + r * ldc + (q + j) * kCols;
+      const int64_t cols = std::min(kCols, n - (q + j) * kCols);
+      if (cols == kCols) {
+        _mm512_storeu_ps(row, out[r][j]);
+      } else {
+        alignas(64) float tmp[kCols];
+        _mm512_store_ps(tmp, out[r][j]);
+        std::copy(tmp, tmp + cols, row);
+      }
+    }
+}
+
+template <int R>
+void gemv_panels(const float* x, int64_t ldx, const float* w, int64_t k, int64_t n, const float* bias, float* c,
+                 int64_t ldc, int64_t p0, int64_t p1) {
+  constexpr int G = R <= 2 ? 4 : 2;
+  int64_t q = p0;
+  for (; q + G <= p1; q += G) gemv_group<R, G>(x, ldx, w, k, n, bias, c, ldc, q);
+  for (; q < p1; ++q) gemv_group<R, 1>(x, ldx, w, k, n, bias, c, ldc, q);
+}
+
+}  // namespace avx512
+#ifndef ENGINE_EMULATE_AVX512
+#pragma GCC pop_options
+#endif
+#endif  // ENGINE_AVX2
+
+enum Variant : int64_t { kVariantAvx2 = 0, kVariantAvx512 = 1 };
+
+// Whether this CPU runs a variant (in the SIMDe build, AVX-512 needs only AVX2: its instructions are emulated).
+bool cpu_has_variant(int64_t variant) {
+#ifdef ENGINE_AVX2
+  __builtin_cpu_init();
+  if (variant == kVariantAvx2) return true;
+#ifdef ENGINE_EMULATE_AVX512
+  if (variant == kVariantAvx512) return true;
+#else
+  if (variant == kVariantAvx512) return __builtin_cpu_supports("avx512f");
+#endif
+#endif
+  return false;
+}
+
+// The variant a product runs unless told: the widest this CPU has natively (never an emulated one).
+int64_t default_variant() {
+#ifdef ENGINE_EMULATE_AVX512
+  return kVariantAvx2;
+#else
+  static const int64_t widest = cpu_has_variant(kVariantAvx512) ? kVariantAvx512 : kVariantAvx2;
+  return widest;
+#endif
+}
+
+std::vector<std::tuple<std::string, bool>> variants() {
+  return {{"avx2", cpu_has_variant(kVariantAvx2)}, {"avx512", cpu_has_variant(kVariantAvx512)}};
+}
+
+// out[M, N] = x[M, K] @ weight.T + bias, with the weight packed by pack_weight and bias padded to the panels.
+// variant: kVariantAvx2, kVariantAvx512 or -1 (default_variant()): the same bits whichever runs.
+void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+            int64_t variant = -1) {
+#ifdef ENGINE_AVX2
+  if (variant < 0) variant = default_variant();
+  TORCH_CHECK(cpu_has_variant(variant), "this CPU lacks the instructions of GEMM variant ", variant);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(),
               "x must be float32 CPU rows with unit column stride");
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kCols &&
@@ -254,6 +478,10 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optio
     return;
   }
   const float* w = packed.data_ptr<float>();
+  if (variant == kVariantAvx512) {
+    avx512::linear(out.data_ptr<float>(), n, x.data_ptr<float>(), x.stride(0), m, k, panels, bias_ptr, w);
+    return;
+  }
   linear_panels(out.data_ptr<float>(), n, x.data_ptr<float>(), x.stride(0), m, k, panels, bias_ptr,
                 [w, k](int64_t q) { return w + q * k * kCols; });
 #else
@@ -311,7 +539,10 @@ void gemv_panels(const float* x, int64_t ldx, const float* w, int64_t k, int64_t
 
 // x [..., K] of any float dtype -> x @ W.T (+ bias) [..., N] in x's dtype, in one call: up to 4 rows (decode) by
 // the panels split between the spin pool's threads (no OpenMP wake-up per product), more through `linear`.
-torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
+                      int64_t variant = -1) {
+  if (variant < 0) variant = default_variant();
+  TORCH_CHECK(cpu_has_variant(variant), "this CPU lacks the instructions of GEMM variant ", variant);
   const int64_t k = x.size(-1);
   torch::Tensor rows = x.reshape({-1, k});
   if (rows.scalar_type() != at::kFloat) rows = rows.to(at::kFloat);
@@ -327,6 +558,15 @@ torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch
     float* c = out.data_ptr<float>();
     const int64_t ldx = rows.stride(0);
     engine_pool::parallel_range(packed.size(0), 8, [&](int64_t p0, int64_t p1) {
+      if (variant == kVariantAvx512) {
+        switch (m) {
+          case 1: avx512::gemv_panels<1>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+          case 2: avx512::gemv_panels<2>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+          case 3: avx512::gemv_panels<3>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+          default: avx512::gemv_panels<4>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
+        }
+        return;
+      }
       switch (m) {
         case 1: gemv_panels<1>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
         case 2: gemv_panels<2>(xs, ldx, w, k, n, b, c, n, p0, p1); break;
@@ -337,7 +577,7 @@ torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch
   } else
 #endif
   {
-    linear(out, rows, packed, bias);
+    linear(out, rows, packed, bias, variant);
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
@@ -352,10 +592,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &engine_cpu::available, "True when built with the AVX2 + FMA kernels");
   m.def("pack_weight", &engine_cpu::pack_weight, "weight [N, K] as [ceil(N/16), K, 16] float32 panels");
   // without the GIL: an engine's other Python threads (API server, other engines) run during the product
+  m.def("variants", &engine_cpu::variants, "[(variant, whether this CPU runs it)] in variant-id order");
+  m.def("default_variant", &engine_cpu::default_variant, "the variant id a product runs when given -1");
   m.def("linear", &engine_cpu::linear, "out = x @ weight.T (+ bias) with a packed weight (float32, CPU)",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("variant") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("forward", &engine_cpu::forward, "x [..., K] -> x @ W.T (+ bias) [..., N] in x's dtype (packed W)",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("variant") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 #endif
