@@ -70,6 +70,7 @@ def main() -> None:
     if runner.decode_step is not None:
         runner.decode_step = Timer(runner.decode_step, current, "model")
         runner.decode_step.max_batch_size = runner.decode_step.fn.max_batch_size
+        runner.decode_step.takes_short_queries = runner.decode_step.fn.takes_short_queries
     runner.model.compute_logits = Timer(runner.model.compute_logits, current, "logits")
     runner.sampler = Timer(runner.sampler, current, "sampler")
     execute = runner.execute_model

@@ -119,7 +119,8 @@ def free_port() -> int:
 
 
 class Server:
-    """`engine serve` in a subprocess on a free loopback port, its output in a log file."""
+    """`engine serve` in a subprocess on a free loopback port, its output in a log file; ``env`` adds variables to
+    this process's (a value of None removes one)."""
 
     def __init__(self, *args: str, env: dict | None = None, wait_healthy: bool = True, port: int | None = None):
         self.port = port or free_port()
@@ -130,7 +131,7 @@ class Server:
             [sys.executable, "-m", "engine.entrypoints.cli", "serve", "--port", str(self.port), *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
         )
         if wait_healthy:
             self.wait_for(200)

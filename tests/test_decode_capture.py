@@ -1,8 +1,9 @@
 """The captured decode step (``model.enforce_eager=false``): the ``cpu`` layer kernels replay a Llama-shaped model's
 decoder-layer loop in C++ for pure decode steps, and every replayed step must give the eager step's bits, so the
 tokens and logprobs of whole generations are compared for equality (not closeness) against ``enforce_eager``.
-Steps the capture does not take (prompt chunks, mixed steps, batches past its bucket) run eagerly in the same
-engine; models and settings it cannot run as the eager layers do are refused at start-up with the reason."""
+Steps the capture does not take (prompt chunks, mixed steps) run eagerly in the same engine; each row bucket of the
+product choice has its own graph; models and settings it cannot run as the eager layers do are refused at start-up
+with the reason."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def _eager_and_captured(model, prompts, max_tokens, seed=None, **settings):
     ids=["float32", "bfloat16", "int8", "async", "preemption"],
 )
 def test_captured_decode_gives_the_eager_bits(tiny_llama, settings):
-    # 11 requests: the first steps hold more than the capture's 8 rows (eager), the later ones fewer (captured);
-    # prompts cross KV blocks; half the rows sample with seeds
+    # 11 requests: the first decode steps hold more than the single-row bucket's 8 rows (the decode bucket's graph),
+    # the later ones fewer (the single bucket's); prompts cross KV blocks; half the rows sample with seeds
     prompts = random_prompts(11, (5, 40), seed=5, vocab=(100, 1000))
     results, captured, preemptions = _eager_and_captured(
         tiny_llama, prompts, 30, seed=7, layer_kernels="cpu", kv_cache_memory="64MiB", **settings
@@ -77,6 +78,8 @@ def test_captured_decode_gives_the_eager_bits(tiny_llama, settings):
     assert captured[True] == 0 and captured[False] > 8
     if "num_gpu_blocks_override" in settings:
         assert preemptions[False] > 0
+    else:  # every step after the prompts' is captured, those of 9-11 rows too (about 12 of 29 are under 9 rows)
+        assert captured[False] > 20
     assert results[False] == results[True]
 
 
@@ -124,7 +127,7 @@ def test_enforce_eager_turns_the_capture_off(tiny_llama):
     assert _runner(llm).decode_step is None
     llm.shutdown()
     llm = LLM(model=tiny_llama, layer_kernels="cpu", kv_cache_memory="64MiB")
-    assert _runner(llm).decode_step is not None and _runner(llm).decode_step.max_batch_size == 8
+    assert _runner(llm).decode_step is not None and _runner(llm).decode_step.max_batch_size >= 256
     llm.shutdown()
 
 

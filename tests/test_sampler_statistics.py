@@ -108,6 +108,50 @@ def test_seeded_draws_follow_the_distribution():
     assert chisquare(counts.double().numpy(), expected.numpy()).pvalue > 1e-3
 
 
+def _sequential_inverse_cdf(weights, uniform):
+    """The one-level reference: a float64 running sum over the whole vocabulary, token by token."""
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+    target = uniform.reshape(-1, 1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1024, 151936])
+def test_the_two_level_inverse_cdf_draws_what_the_sequential_scan_draws(vocab):
+    """Large vocabularies are sampled in two levels (blocks' sums, then one block token by token): the same token
+    as the sequential float64 scan for every draw here, never a token of weight zero (every other token and whole
+    blocks zero, draws at 0 and just below 1), and a row alone draws what it draws in its batch."""
+    from engine.sample.ops import random_sample, scan_block_size
+
+    assert scan_block_size(vocab) is not None
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 96
+    weights = torch.rand(rows, vocab, generator=gen) ** 6
+    weights[:, 1::2] = 0.0
+    weights[: rows // 2, : vocab // 2] = 0.0  # half the rows: the first half of the vocabulary (whole blocks) empty
+    uniform = torch.rand(rows, generator=gen, dtype=torch.float64)
+    uniform[:4] = torch.tensor([0.0, 1.0 - 2**-53, 0.5, 2**-40], dtype=torch.float64)
+    drawn = random_sample(weights, uniform)
+    assert torch.equal(drawn, _sequential_inverse_cdf(weights, uniform))
+    assert bool((weights.gather(1, drawn.unsqueeze(1)) > 0).all())
+    for row in (0, 1, 50, rows - 1):
+        assert torch.equal(random_sample(weights[row : row + 1], uniform[row : row + 1]), drawn[row : row + 1])
+
+
+def test_a_large_vocabulary_is_sampled_at_its_tempered_frequencies():
+    """The default sampler on a 1,024-token vocabulary (the two-level scan), mass spread over every block."""
+    torch.manual_seed(1)
+    vocab, rows, temperature = 1024, 20000, 0.8
+    logits = torch.linspace(1.5, -1.5, 16).repeat_interleave(vocab // 16)  # 16 levels, 64 tokens each
+    metadata = SamplingMetadata(
+        temperature=torch.full((rows,), temperature), top_k=None, top_p=None, all_greedy=False, all_random=True
+    )
+    drawn = DefaultSampler(VllmConfig.load())(logits.repeat(rows, 1), metadata).sampled_token_ids
+    counts = torch.bincount(drawn // (vocab // 16), minlength=16).double()  # per level
+    expected = torch.softmax(logits.double() / temperature, dim=0).view(16, -1).sum(-1) * rows
+    assert (expected > 5).all()
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
 def test_penalties_touch_only_seen_tokens_and_equal_the_dense_formula():
     """The sparse penalties (only the tokens a row has seen) give bit for bit what the formula gives on the
     whole [rows, vocab] matrix, for mixed rows, and leave the rows that did not ask untouched."""

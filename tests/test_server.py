@@ -280,7 +280,16 @@ def test_yaml_config_and_flag_override(tiny_llama, tmp_path):
         "cache:\n  kv_cache_memory: 32MiB\n  block_size: 32\nattention:\n  backend: torch\n"
         "scheduler:\n  max_num_batched_tokens: 256\n"
     )
-    srv = Server("--config", str(config), "--max-num-batched-tokens", "128", "--api-key", "sekret")
+    # the suite's KV-cache variable (conftest) would beat the file
+    srv = Server(
+        "--config",
+        str(config),
+        "--max-num-batched-tokens",
+        "128",
+        "--api-key",
+        "sekret",
+        env={"ENGINE_CACHE__KV_CACHE_MEMORY": None},
+    )
     try:
         log = srv.output()
         assert "'max_num_batched_tokens': 128" in log  # the flag beats the file

@@ -37,12 +37,55 @@ def sampling_probs(logits: torch.Tensor, metadata) -> torch.Tensor:
     return logits.softmax(dim=-1, dtype=torch.float32)
 
 
-def random_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: row i takes the token where its cumulative distribution passes ``uniform[i]``.
+def sampling_weights(logits: torch.Tensor, metadata) -> torch.Tensor:
+    """[N, V] float32: ``sampling_probs`` up to a factor per row, ``exp((l - max l) / T)`` after top-k / top-p (the
+    row's largest weight is about 1): what inverse-CDF sampling needs, in three passes over float32 logits (the
+    maximum, the scaled shift, the exponential) and without the softmax's division by the sum."""
+    inverse = 1.0 / torch.where(metadata.temperature < GREEDY_EPS, 1.0, metadata.temperature).float().unsqueeze(1)
+    peak = logits.amax(dim=-1, keepdim=True).float()
+    shift = -peak * inverse
+    if logits.dtype == torch.float32:  # (l - peak) / T as l / T - peak / T, in one pass
+        scaled = torch.addcmul(shift, logits, inverse)
+    else:  # 16-bit logits: their float32 copy, then in place (mixed-dtype element-wise ops take a slow path)
+        scaled = logits.float()
+        torch.addcmul(shift, scaled, inverse, out=scaled)
+    return apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p).exp_()
 
-    The cumulative sum runs in float64 so that the tail of a 50k-token vocabulary keeps its mass, and
-    a token of probability zero is never chosen (its CDF step is flat).
+
+def scan_block_size(vocab: int) -> Optional[int]:
+    """The tokens per block of the two-level inverse CDF: a divisor of the vocabulary (None: one level)."""
+    return next((size for size in (256, 128, 64) if vocab % size == 0 and vocab > size), None)
+
+
+def random_sample(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i takes the first token where its cumulative weight passes ``uniform[i]`` times
+    the row's total (the weights need not be normalised).
+
+    Running sums are float64 so that the tail of a 50k-token vocabulary keeps its mass, and a token of weight zero
+    is never chosen (its CDF step is flat). In two levels where a block size divides the vocabulary: the blocks'
+    sums (vectorised, pairwise within a block) find the block the draw falls in, and only that block is scanned
+    token by token, instead of a sequential float64 scan of the whole vocabulary. Each row's result depends on
+    that row alone.
     """
-    cdf = probs.double().cumsum_(dim=-1)
-    target = uniform.reshape(-1, 1).to(cdf.device, torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    rows, vocab = weights.shape
+    target_fraction = uniform.reshape(-1, 1).to(weights.device, torch.float64)
+    block = scan_block_size(vocab)
+    if block is None:
+        cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+        target = target_fraction * cdf[:, -1:]
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    blocks = weights.contiguous().view(rows, vocab // block, block)
+    # each block summed in the weights' dtype (vectorised, no float64 copy of the row), the blocks in float64
+    block_cdf = blocks.sum(dim=-1).double().cumsum_(dim=-1)  # [rows, blocks]
+    target = target_fraction * block_cdf[:, -1:]
+    chosen = torch.searchsorted(block_cdf, target, right=True).squeeze(1).clamp_(max=vocab // block - 1)
+    before = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    inner = blocks[torch.arange(rows, device=weights.device), chosen].to(torch.float64)  # [rows, block]
+    positive = inner > 0
+    inner[:, 0] += before
+    inner_cdf = inner.cumsum_(dim=-1)
+    within = torch.searchsorted(inner_cdf, target, right=True).squeeze(1)
+    # the block's own running sum may round below the target that its total passed: its last token of weight > 0
+    last_positive = torch.where(positive, torch.arange(block, device=weights.device), -1).amax(dim=-1)
+    within = torch.where(within >= block, last_positive.clamp(min=0), within)
+    return chosen * block + within

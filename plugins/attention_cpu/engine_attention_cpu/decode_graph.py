@@ -1,8 +1,9 @@
 """The ``cpu`` layer kernels' captured decode step: a Llama-shaped model's decoder-layer loop handed once to C++
-(``csrc/decode_graph.cpp``, module ``_graph``) and replayed there for every pure-decode step of up to
-``ROW_BUCKETS[0].max_rows`` requests, with no Python between the kernels.
+(``csrc/decode_graph.cpp``, module ``_graph``) and replayed there for every pure-decode step, whatever its number of
+requests, with no Python between the kernels: one graph per row bucket of the product choice
+(``engine.model.layers.product_choice.ROW_BUCKETS``), each holding the products that bucket's rows run.
 
-The capture records the tensors the eager layers use (packed products as chosen for that row bucket, norm
+The capture records the tensors the eager layers use (packed products as chosen for each row bucket, norm
 weights, RoPE tables, KV caches) and the graph calls the same C++ kernels in the same order, so a replayed step
 gives the eager step's bits. Anything the C++ loop does not do as the eager layers do (another model family,
 tensor parallelism, a product or attention backend outside this plugin) is refused with the reason, and the
@@ -12,6 +13,7 @@ step stays eager.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any, Optional
 
 import torch
@@ -27,7 +29,7 @@ from engine_attention_cpu.attention import CpuAttentionImpl, CpuAttentionMetadat
 from engine_attention_cpu.gemm import CpuPackedLinear
 from engine_attention_cpu.quant import QuantDotProduct
 
-MAX_BATCH_SIZE = int(ROW_BUCKETS[0].max_rows)  # the products are resolved for the smallest row bucket
+UNBOUNDED_ROWS = 2**31 - 1  # the last row bucket's graph takes a step of any size
 
 
 def _require(condition: bool, reason: str) -> None:
@@ -40,12 +42,15 @@ def _same_forward(module: Any, reference: Any) -> bool:
     return type(module).forward is reference.forward
 
 
-def product_spec(name: str, product) -> tuple:
-    """The C++ description of the product a linear layer runs at up to MAX_BATCH_SIZE rows (a product from outside
-    this plugin, such as torch's where it measured faster on a small shape, is called back in Python)."""
+def product_spec(name: str, product, rows: tuple[float, float] = (0, ROW_BUCKETS[0].max_rows)) -> tuple:
+    """The C++ description of the product a linear layer runs at more than ``rows[0]`` and at most ``rows[1]`` rows
+    (a product from outside this plugin, such as torch's where it measured faster on a shape, is called back in
+    Python)."""
     if isinstance(product, BucketedProduct):
-        max_rows, product = product.products[0]
-        _require(max_rows >= MAX_BATCH_SIZE, f"{name}: its first row bucket ends below {MAX_BATCH_SIZE} rows")
+        low, high = rows
+        # past the last entry's rows the dispatch keeps the last product
+        max_rows, product = next(((m, p) for m, p in product.products if m > low), (math.inf, product.products[-1][1]))
+        _require(max_rows >= high, f"{name}: its product changes between {low + 1} and {high} rows")
     if isinstance(product, CpuPackedLinear):
         return ("gemm", product.panels, product.bias, product.out_features, product.variant_id)
     if isinstance(product, QuantDotProduct):
@@ -97,14 +102,15 @@ def _check_layer(index: int, layer: Any, kernels: Any) -> None:
 
 
 class CpuCapturedDecodeStep(CapturedDecodeStep):
-    """The decoder-layer loop of one model in C++; embedding in Python before it (one call)."""
+    """The decoder-layer loop of one model in C++, one graph per row bucket; embedding in Python before it (one
+    call)."""
 
-    max_batch_size = MAX_BATCH_SIZE
     takes_short_queries = True  # the cpu attention metadata runs a short query as one decode row per token
 
-    def __init__(self, model: Any, graph: Any):
+    def __init__(self, model: Any, graphs: list[tuple[float, Any]]):
         self.model = model
-        self.graph = graph
+        self.graphs = graphs  # (most rows, graph), ascending
+        self.max_batch_size = int(min(graphs[-1][0], UNBOUNDED_ROWS))
 
     def __call__(self, input_ids, positions, attn_metadata) -> Optional[torch.Tensor]:
         if len(attn_metadata) != 1:
@@ -112,8 +118,12 @@ class CpuCapturedDecodeStep(CapturedDecodeStep):
         metadata = attn_metadata[0]
         if not isinstance(metadata, CpuAttentionMetadata) or not metadata.all_decode:
             return None  # the runner checked the token count; all_decode: every token runs as a decode row
+        rows = len(input_ids)
+        graph = next((g for max_rows, g in self.graphs if rows <= max_rows), None)
+        if graph is None:
+            return None
         hidden_states = self.model.model.embed(input_ids).contiguous()
-        return self.graph.run(
+        return graph.run(
             hidden_states, positions, metadata.slot_mapping, metadata.decode_block_table, metadata.decode_seq_lens
         )
 
@@ -138,18 +148,28 @@ def capture_decode_step(kernels: Any, model: Any, attention_layers: dict[str, An
         "the final norm is not an RMSNorm on these layer kernels",
     )
     _require(len(attention_layers) == len(decoder.layers), "attention layers outside the decoder layers")
-    from engine_attention_cpu import _graph
-
-    graph = _graph.DecodeGraph()
     for index, layer in enumerate(decoder.layers):
         _check_layer(index, layer, kernels)
-        attn, mlp = layer.self_attn, layer.mlp
         _require(
             layer.input_layernorm.eps == layer.post_attention_layernorm.eps,
             f"layer {index}'s two norms differ in epsilon",
         )
+    graphs, low = [], 0.0
+    for bucket in ROW_BUCKETS:
+        graphs.append((bucket.max_rows, _decode_graph(decoder, (low, bucket.max_rows))))
+        low = bucket.max_rows
+    return CpuCapturedDecodeStep(model, graphs)
+
+
+def _decode_graph(decoder: Any, rows: tuple[float, float]) -> Any:
+    """The C++ graph of the decoder's layers with the products that steps of ``rows`` (low, high] rows run."""
+    from engine_attention_cpu import _graph
+
+    graph = _graph.DecodeGraph()
+    for index, layer in enumerate(decoder.layers):
+        attn, mlp = layer.self_attn, layer.mlp
         products = [
-            product_spec(f"layer {index}'s {name}", module.packed)
+            product_spec(f"layer {index}'s {name}", module.packed, rows)
             for name, module in (
                 ("qkv_proj", attn.qkv_proj),
                 ("o_proj", attn.o_proj),
@@ -176,4 +196,4 @@ def capture_decode_step(kernels: Any, model: Any, attention_layers: dict[str, An
             inner.kv_cache,
         )
     graph.set_final_norm(decoder.norm.weight, float(decoder.norm.eps))
-    return CpuCapturedDecodeStep(model, graph)
+    return graph
