@@ -171,34 +171,33 @@ torch::Tensor pack_weight(torch::Tensor weight) {
 }
 
 #ifdef ENGINE_AVX2
-// c[M, N] = x[M, K] @ W.T + bias over the weight's panels, each given by panel_of(q): a [K][16] float32 panel that
-// stays valid while the calling thread computes panel q (a packed weight's own panel, or a quantized weight's
-// de-quantized into that thread's buffer: quant_gemm.cpp). bias_ptr (or null) is padded to the panels.
-// whole_rows: a work item is a panel against every row (a panel made per item is made once per product).
-template <class PanelOf>
-void linear_panels(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
-                   const float* bias_ptr, const PanelOf& panel_of, bool whole_rows = false) {
-  const int64_t kc_max = chunk_size(k), row_panels = (m + kRows - 1) / kRows;
-  const int64_t chunk_stride = row_panels * kRows;  // floats per k of one chunk: [M/6][kc][6] = kc * chunk_stride
+// The schedule every GEMM variant shares: x packed into the calling thread's buffer in panels of panel_rows rows
+// ([K chunk][M/R][kc][R]), then work items (row block, column group) of `groups` groups, each computed by
+// compute(ax, chunk_stride, i0, i1, group) over every k chunk by one thread in the same order whoever takes it (a
+// result does not depend on the split). Each thread owns the items of a contiguous range of groups, row block by
+// row block (the static split: a row block of packed x stays in L2 while the thread's panels pass over it), and
+// takes them from the front; a thread that runs out takes items from the back of the others' ranges. So a thread
+// that loses its core to another process for a while leaves the rest of its share to the others instead of
+// holding every thread up at the end. whole_rows: an item is a group against every row.
+template <class Compute>
+void run_work_items(const float* xs, int64_t ldx, int64_t m, int64_t n, int64_t k, int64_t groups,
+                    int64_t panel_rows, bool whole_rows, const Compute& compute) {
+  const int64_t kc_max = chunk_size(k), row_panels = (m + panel_rows - 1) / panel_rows;
+  const int64_t chunk_stride = row_panels * panel_rows;  // floats per k of one chunk: [M/R][kc][R] = kc * stride
   std::vector<float>& buffer = packed_x_buffer();
   if (buffer.size() < static_cast<size_t>(chunk_stride * k)) buffer.resize(chunk_stride * k);
   float* ax = buffer.data();
   // two threads only pay off when each has a few tiles of work
   const int threads = (m * n * k >= (int64_t)1 << 18) ? at::get_num_threads() : 1;
-
-  // Work items are (row block, weight panel) pairs, each computed over every k chunk by one thread in the same
-  // order whoever takes it (a result does not depend on the split). Each thread owns the items of a contiguous
-  // range of panels, row block by row block (the static split: a row block of packed x stays in L2 while the
-  // thread's panels pass over it), and takes them from the front; a thread that runs out takes items from the
-  // back of the others' ranges. So a thread that loses its core to another process for a while leaves the
-  // rest of its share to the others instead of holding every thread up at the end.
   const int64_t block_rows =
-      whole_rows ? m : std::max<int64_t>(kRows, std::min<int64_t>(kRowBlock, kRowBlockFloats / k / kRows * kRows));
+      whole_rows ? m
+                 : std::max<int64_t>(panel_rows,
+                                     std::min<int64_t>(kRowBlock, kRowBlockFloats / k / panel_rows * panel_rows));
   const int64_t row_blocks = (m + block_rows - 1) / block_rows;
   std::vector<ItemRange> ranges(threads);
   for (int t = 0; t < threads; ++t) {
-    ranges[t].first_panel = panels * t / threads;
-    ranges[t].width = panels * (t + 1) / threads - ranges[t].first_panel;
+    ranges[t].first_panel = groups * t / threads;
+    ranges[t].width = groups * (t + 1) / threads - ranges[t].first_panel;
     ranges[t].reset(0, ranges[t].width * row_blocks);
   }
 
@@ -208,39 +207,52 @@ void linear_panels(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m,
     for (int64_t k0 = 0; k0 < k; k0 += kc_max)
       for (int64_t p = 0; p < row_panels; ++p) {
         const int64_t kc = std::min(kc_max, k - k0);
-        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * kRows * kc);
+        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * panel_rows * kc, panel_rows);
       }
     // implicit barrier: every thread reads all of packed x
-    auto compute = [&](const ItemRange& range, int64_t item) {
+    auto run = [&](const ItemRange& range, int64_t item) {
       const int64_t i0 = (item / range.width) * block_rows, i1 = std::min(m, i0 + block_rows);
-      const int64_t q = range.first_panel + item % range.width;
-      const int64_t cols = std::min(kCols, n - q * kCols);
-      const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
-      const float* weight_panel = panel_of(q);
-      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        const float* chunk = ax + k0 * chunk_stride;
-        const float* panel = weight_panel + k0 * kCols;
-        for (int64_t i = i0; i < i1; i += kRows)
-          tile_rows(std::min(kRows, m - i), kc, chunk + (i / kRows) * kRows * kc, panel, c + i * n + q * kCols, n,
-                    cols, k0 == 0, panel_bias);
-      }
+      compute(static_cast<const float*>(ax), chunk_stride, i0, i1, range.first_panel + item % range.width);
     };
     const int t = omp_get_thread_num();
     int64_t item;
-    while (ranges[t].take_front(item)) compute(ranges[t], item);
+    while (ranges[t].take_front(item)) run(ranges[t], item);
     for (int other = 1; other < threads; ++other) {
       ItemRange& range = ranges[(t + other) % threads];
-      while (range.take_back(item)) compute(range, item);
+      while (range.take_back(item)) run(range, item);
     }
   }
+}
+
+// c[M, N] = x[M, K] @ W.T + bias over the weight's panels, each given by panel_of(q): a [K][16] float32 panel that
+// stays valid while the calling thread computes panel q (a packed weight's own panel, or a quantized weight's
+// de-quantized into that thread's buffer: quant_gemm.cpp). bias_ptr (or null) is padded to the panels.
+// whole_rows: a work item is a panel against every row (a panel made per item is made once per product).
+template <class PanelOf>
+void linear_panels(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
+                   const float* bias_ptr, const PanelOf& panel_of, bool whole_rows = false) {
+  const int64_t kc_max = chunk_size(k);
+  run_work_items(xs, ldx, m, n, k, panels, kRows, whole_rows,
+                 [&](const float* ax, int64_t chunk_stride, int64_t i0, int64_t i1, int64_t q) {
+                   const int64_t cols = std::min(kCols, n - q * kCols);
+                   const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
+                   const float* weight_panel = panel_of(q);
+                   for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+                     const int64_t kc = std::min(kc_max, k - k0);
+                     const float* chunk = ax + k0 * chunk_stride;
+                     const float* panel = weight_panel + k0 * kCols;
+                     for (int64_t i = i0; i < i1; i += kRows)
+                       tile_rows(std::min(kRows, m - i), kc, chunk + (i / kRows) * kRows * kc, panel,
+                                 c + i * n + q * kCols, n, cols, k0 == 0, panel_bias);
+                   }
+                 });
 }
 #endif
 
 #ifdef ENGINE_AVX2
 // The AVX-512 variant: the same packed panels, the same k chunks and the same fused multiply-add chain per output
 // element in the same order, so its results are the AVX2 variant's bits; 512-bit lanes and the 32 registers give
-// a 12x32 tile (two panels, 24 accumulators: 4 loads for 24 FMAs of 16 lanes, against 8 for 12 of 8 on AVX2).
+// a 12x32 tile (two panels, 24 accumulators: 14 loads for 24 FMAs of 16 lanes, against 8 for 12 of 8 on AVX2).
 #ifndef ENGINE_EMULATE_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -306,57 +318,26 @@ void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b0, const 
 // linear_panels' work on a float32 packed weight w, a work item being a row block against a pair of panels.
 void linear(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
             const float* bias_ptr, const float* w) {
-  const int64_t kc_max = chunk_size(k), row_panels = (m + kRows - 1) / kRows;
-  const int64_t chunk_stride = row_panels * kRows;
-  std::vector<float>& buffer = packed_x_buffer();
-  if (buffer.size() < static_cast<size_t>(chunk_stride * k)) buffer.resize(chunk_stride * k);
-  float* ax = buffer.data();
-  const int threads = (m * n * k >= (int64_t)1 << 18) ? at::get_num_threads() : 1;
-  const int64_t pairs = (panels + 1) / 2;
-  const int64_t block_rows =
-      std::max<int64_t>(kRows, std::min<int64_t>(kRowBlock, kRowBlockFloats / k / kRows * kRows));
-  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
-  std::vector<ItemRange> ranges(threads);
-  for (int t = 0; t < threads; ++t) {
-    ranges[t].first_panel = pairs * t / threads;
-    ranges[t].width = pairs * (t + 1) / threads - ranges[t].first_panel;
-    ranges[t].reset(0, ranges[t].width * row_blocks);
-  }
-
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(dynamic) collapse(2)
-    for (int64_t k0 = 0; k0 < k; k0 += kc_max)
-      for (int64_t p = 0; p < row_panels; ++p) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * kRows * kc, kRows);
-      }
-    auto compute = [&](const ItemRange& range, int64_t item) {
-      const int64_t i0 = (item / range.width) * block_rows, i1 = std::min(m, i0 + block_rows);
-      const int64_t q = 2 * (range.first_panel + item % range.width);
-      const bool pair = q + 1 < panels;
-      const int64_t cols = std::min((pair ? 2 : 1) * kCols, n - q * kCols);
-      const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
-      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        const float* chunk = ax + k0 * chunk_stride;
-        const float* b0 = w + (q * k + k0) * kCols;
-        const float* b1 = pair ? b0 + k * kCols : b0;
-        for (int64_t i = i0; i < i1; i += kRows) {
-          const float* a = chunk + (i / kRows) * kRows * kc;
-          if (pair) tile_rows<true>(std::min(kRows, m - i), kc, a, b0, b1, c + i * n + q * kCols, n, cols, k0 == 0, panel_bias);
-          else tile_rows<false>(std::min(kRows, m - i), kc, a, b0, b1, c + i * n + q * kCols, n, cols, k0 == 0, panel_bias);
-        }
-      }
-    };
-    const int t = omp_get_thread_num();
-    int64_t item;
-    while (ranges[t].take_front(item)) compute(ranges[t], item);
-    for (int other = 1; other < threads; ++other) {
-      ItemRange& range = ranges[(t + other) % threads];
-      while (range.take_back(item)) compute(range, item);
-    }
-  }
+  const int64_t kc_max = chunk_size(k);
+  run_work_items(xs, ldx, m, n, k, (panels + 1) / 2, kRows, false,
+                 [&](const float* ax, int64_t chunk_stride, int64_t i0, int64_t i1, int64_t pair_index) {
+                   const int64_t q = 2 * pair_index;
+                   const bool pair = q + 1 < panels;
+                   const int64_t cols = std::min((pair ? 2 : 1) * kCols, n - q * kCols);
+                   const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
+                   for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+                     const int64_t kc = std::min(kc_max, k - k0);
+                     const float* chunk = ax + k0 * chunk_stride;
+                     const float* b0 = w + (q * k + k0) * kCols;
+                     const float* b1 = pair ? b0 + k * kCols : b0;
+                     for (int64_t i = i0; i < i1; i += kRows) {
+                       const float* a = chunk + (i / kRows) * kRows * kc;
+                       float* out = c + i * n + q * kCols;
+                       if (pair) tile_rows<true>(std::min(kRows, m - i), kc, a, b0, b1, out, n, cols, k0 == 0, panel_bias);
+                       else tile_rows<false>(std::min(kRows, m - i), kc, a, b0, b1, out, n, cols, k0 == 0, panel_bias);
+                     }
+                   }
+                 });
 }
 
 // R <= 4 rows against G panels from q: each output one FMA chain over k per k chunk, the chunks added in order,
