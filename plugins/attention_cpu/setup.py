@@ -38,29 +38,20 @@ def emulated_extensions():
     forced = os.environ.get("ENGINE_BUILD_EMULATED") == "1"
     if include is None or (AVX512_VNNI_FLAGS <= cpu_flags() and not forced):
         return []
-    emulate = ["-DENGINE_EMULATE_AVX512", "-ffp-contract=off"]
+
+    def emulated(name, source, *flags):
+        return CppExtension(
+            f"engine_attention_cpu.{name}",
+            [f"engine_attention_cpu/csrc/{source}"],
+            include_dirs=[include],
+            extra_compile_args=FLAGS + ["-DENGINE_EMULATE_AVX512", *flags],
+            extra_link_args=["-fopenmp"],
+        )
+
     return [
-        CppExtension(
-            "engine_attention_cpu._gemm_emulated",
-            ["engine_attention_cpu/csrc/gemm.cpp"],
-            include_dirs=[include],
-            extra_compile_args=FLAGS + ["-DENGINE_EMULATE_AVX512"],
-            extra_link_args=["-fopenmp"],
-        ),
-        CppExtension(
-            "engine_attention_cpu._quant_emulated",
-            ["engine_attention_cpu/csrc/quant_gemm.cpp"],
-            include_dirs=[include],
-            extra_compile_args=FLAGS + emulate,
-            extra_link_args=["-fopenmp"],
-        ),
-        CppExtension(
-            "engine_attention_cpu._moe_emulated",
-            ["engine_attention_cpu/csrc/fused_moe.cpp"],
-            include_dirs=[include],
-            extra_compile_args=FLAGS + ["-DENGINE_EMULATE_AVX512"],
-            extra_link_args=["-fopenmp"],
-        ),
+        emulated("_gemm_emulated", "gemm.cpp"),
+        emulated("_quant_emulated", "quant_gemm.cpp", "-ffp-contract=off"),
+        emulated("_moe_emulated", "fused_moe.cpp"),
     ]
 
 

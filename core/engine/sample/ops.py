@@ -30,16 +30,15 @@ def apply_top_k_top_p(
 
 
 def sampling_probs(logits: torch.Tensor, metadata) -> torch.Tensor:
-    """[N, V] float32: the distribution each sampled row draws from (temperature, then top-k / top-p).
-    Greedy rows get their untempered distribution."""
-    temperature = torch.where(metadata.temperature < GREEDY_EPS, 1.0, metadata.temperature)
-    logits = apply_top_k_top_p(logits / temperature.unsqueeze(1).to(logits.dtype), metadata.top_k, metadata.top_p)
-    return logits.softmax(dim=-1, dtype=torch.float32)
+    """[N, V] float32: the distribution each sampled row draws from (temperature, then top-k / top-p): the
+    sampler's weights normalised. Greedy rows get their untempered distribution."""
+    weights = sampling_weights(logits, metadata)
+    return weights.div_(weights.sum(dim=-1, keepdim=True))
 
 
 def sampling_weights(logits: torch.Tensor, metadata) -> torch.Tensor:
-    """[N, V] float32: ``sampling_probs`` up to a factor per row, ``exp((l - max l) / T)`` after top-k / top-p (the
-    row's largest weight is about 1): what inverse-CDF sampling needs, in three passes over float32 logits (the
+    """[N, V] float32: ``exp((l - max l) / T)`` after top-k / top-p (the row's largest weight is about 1), the
+    distribution up to a factor per row: what inverse-CDF sampling needs, in three passes over float32 logits (the
     maximum, the scaled shift, the exponential) and without the softmax's division by the sum."""
     inverse = 1.0 / torch.where(metadata.temperature < GREEDY_EPS, 1.0, metadata.temperature).float().unsqueeze(1)
     peak = logits.amax(dim=-1, keepdim=True).float()

@@ -47,8 +47,9 @@ class CpuPackedLinear:
         emulated: bool = False,
     ):
         _gemm = _ops(emulated)
-        names = list(gemm_variants(emulated))
-        if variant is not None and not gemm_variants(emulated).get(variant, False):
+        runnable = gemm_variants(emulated)
+        names = list(runnable)
+        if variant is not None and not runnable.get(variant, False):
             raise RuntimeError(f"GEMM variant {variant!r} cannot run on this CPU (variants: {names})")
         self.variant_id = names.index(variant) if variant is not None else int(_gemm.default_variant())
         self.variant = names[self.variant_id]
