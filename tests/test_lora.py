@@ -129,6 +129,80 @@ def test_mixed_batch_chunked_prefill_and_prefix_cache_equal_transformers_peft(
     llm.shutdown()
 
 
+def test_batch_invariant_adapters_give_the_same_bits_alone_and_in_any_batch(tiny_llama, adapters, prompts, references):
+    """With ``batch_invariant``, a request on an adapter gets the same tokens and logprob bits alone as among the
+    other adapters and the base model under chunked prefill (the cpu LoRA kernel sums each row in one order); its
+    tokens still equal transformers + PEFT."""
+    from engine import LLM
+
+    requests = lora_requests(adapters)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
+
+    def bits(llm, pairs):
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompts[p]} for p, _ in pairs],
+            params,
+            lora_request=[requests[name] for _, name in pairs],
+            use_tqdm=False,
+        )
+        return [
+            (o.outputs[0].token_ids, [{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs])
+            for o in outputs
+        ]
+
+    config = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, batch_invariant=True)
+    alone_llm = LLM(tiny_llama, enable_prefix_caching=False, **config)
+    targets = [(0, "all"), (3, "mlp")]
+    alone = [bits(alone_llm, [pair])[0] for pair in targets]
+    alone_llm.shutdown()
+    assert [tokens for tokens, _ in alone] == [references[name][p] for p, name in targets]
+    llm = LLM(tiny_llama, max_num_batched_tokens=48, **config)
+    pairs = mixed_batch(prompts, [None, *adapters])
+    batched = dict(zip(pairs, bits(llm, pairs)))
+    assert [batched[pair] for pair in targets] == alone
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_the_captured_decode_step_replays_adapter_steps_with_the_eager_bits(tiny_llama, adapters, prompts, references):
+    """Decode steps whose tokens run adapters replay in the cpu plugin's C++ graph (the LoRA kernel after each
+    product) and give the eager steps' tokens and logprob bits, which equal transformers + PEFT's tokens."""
+    pytest.importorskip("engine_attention_cpu._graph", reason="the cpu plugin's decode graph is not built")
+    from engine import LLM
+    from engine.testing import inspect
+
+    requests = lora_requests(adapters)
+    pairs = mixed_batch(prompts[:3], [None, *adapters])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
+    results, captured = {}, {}
+    for enforce_eager in (True, False):
+        llm = LLM(
+            tiny_llama,
+            dtype="float32",
+            layer_kernels="cpu",
+            enable_lora=True,
+            max_loras=4,
+            max_lora_rank=16,
+            enforce_eager=enforce_eager,
+        )
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompts[p]} for p, _ in pairs],
+            params,
+            lora_request=[requests[name] for _, name in pairs],
+            use_tqdm=False,
+        )
+        results[enforce_eager] = [
+            (o.outputs[0].token_ids, [{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs])
+            for o in outputs
+        ]
+        captured[enforce_eager] = inspect(llm).model_runner.num_captured_steps
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert captured[True] == 0 and captured[False] >= MAX_TOKENS - 2  # every pure decode step, adapters and all
+    assert results[False] == results[True]
+    assert_matches(pairs, [tokens for tokens, _ in results[False]], references)
+
+
 def test_prefix_cache_keeps_adapters_apart(tiny_llama, adapters, prompts, references):
     from engine import LLM
 
@@ -454,7 +528,6 @@ def test_config_keys_and_their_errors(tmp_path):
         (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
         (dict(lora_modules=["a=/x"]), "needs lora.enable_lora"),
         (dict(enable_lora=True, lora_modules=["no-path"]), "NAME=PATH"),
-        (dict(enable_lora=True, batch_invariant=True), "batch_invariant"),
     ):
         with pytest.raises(ConfigError, match=words):
             VllmConfig.load(**bad)

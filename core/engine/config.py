@@ -548,11 +548,6 @@ class VllmConfig(BaseSettings):
                     "set speculative.method=none or scheduler.async_scheduling=false"
                 )
             self.speculative.lookup_range()
-        if self.lora.enable_lora and self.model.batch_invariant:
-            raise ValueError(
-                "lora.enable_lora and model.batch_invariant cannot be combined yet: the LoRA products are not "
-                "row-invariant; set one of them to false"
-            )
         if self.lora.lora_modules and not self.lora.enable_lora:
             raise ValueError("lora.lora_modules needs lora.enable_lora=true")
         if self.parallel.data_parallel_backend == "ray" and self.server.api_server_count > 1:

@@ -23,7 +23,7 @@ import pluggy
 _Spec = TypeVar("_Spec", bound=Callable[..., Any])
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.13"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.14"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
 # LayerKernels.capture_decode_step, 1.6 engine_spec_proposers, 1.7 engine_structured_output_backends and
@@ -32,7 +32,8 @@ CONTRACT_VERSION = "1.13"  # 1.1 added register_models, 1.2 engine_layer_kernels
 # MLAAttentionImpl), 1.10 Mamba's state-space kernels (LayerKernels.causal_conv1d, mamba2_scan, selective_scan),
 # 1.11 quantized experts (LayerKernels.pack_quantized_experts, FusedMoE.quant_w13 / quant_w2), 1.12
 # LayerKernels.serves_packed_weights (auto quantization keeps a GGUF file packed), 1.13 LayerKernels.add_lora (the
-# batched LoRA product) and engine_lora_resolvers
+# batched LoRA product) and engine_lora_resolvers, 1.14 LayerKernels.add_lora's out_slices (B's zero blocks in a merged
+# layer, for kernels that skip them) and CapturedDecodeStep.takes_lora_steps
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -98,6 +98,13 @@ setup(
             extra_compile_args=FLAGS,
             extra_link_args=["-fopenmp"],
         ),
+        # the batched LoRA product (shrink and expand per adapter slot, B's zero blocks skipped)
+        CppExtension(
+            "engine_attention_cpu._lora",
+            ["engine_attention_cpu/csrc/lora.cpp"],
+            extra_compile_args=FLAGS,
+            extra_link_args=["-fopenmp"],
+        ),
         # Mamba's convolution and selective scans (hybrid models' state-space layers)
         CppExtension(
             "engine_attention_cpu._mamba",
@@ -105,8 +112,9 @@ setup(
             extra_compile_args=FLAGS,
             extra_link_args=["-fopenmp"],
         ),
-        # the decode step captured in C++: compiles the four kernel sources above in (their bindings left out), each
-        # with its own contraction setting (pragmas), so a replayed step calls the same code as the eager layers
+        # the decode step captured in C++: compiles the kernel sources above in (GEMM, attention, layer, integer-dot
+        # and LoRA kernels; their bindings left out), each with its own contraction setting (pragmas), so a replayed
+        # step calls the same code as the eager layers
         CppExtension(
             "engine_attention_cpu._graph",
             ["engine_attention_cpu/csrc/decode_graph.cpp"],

@@ -45,6 +45,10 @@ class CapturedDecodeStep:
     # row per token, each seeing its causal prefix), so the runner offers it speculative decoding's verification
     # steps of up to max_batch_size tokens in all; it still returns None for any step it does not take
     takes_short_queries: bool = False
+    # True (contract 1.14): the capture also replays steps whose tokens run LoRA adapters, adding each token's
+    # adapter product as the eager layers' add_lora does (it reads the step's mapping from the layers' LoRALinear);
+    # False: the runner runs such steps eagerly
+    takes_lora_steps: bool = False
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[Any]
@@ -163,7 +167,13 @@ class LayerKernels(Pluggable):
         return fused_experts(x, experts.w13_weight, experts.w2_weight, topk_weights, topk_ids, experts.expert_map)
 
     def add_lora(
-        self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        mapping: LoRAMapping,
+        out_slices: Optional[Sequence[tuple[int, int]]] = None,
     ) -> torch.Tensor:
         """The batched LoRA product (vLLM's punica shrink and expand) added to a linear layer's output: for every
         token ``t`` that runs with adapter slot ``s``, ``y[t] += lora_b[:, s] @ (lora_a[s] @ x[t])``. ``x`` ``[T, in]``,
@@ -171,7 +181,10 @@ class LayerKernels(Pluggable):
         ``[out, slots, R]`` (so that the first S slots of each are one matrix, ``[S * R, in]`` and ``[out, S * R]``;
         the scaling folded into B; a merged layer's slices side by side in R, B block-diagonal),
         ``mapping`` the step's tokens grouped by slot (:class:`~engine.lora.mapping.LoRAMapping`; tokens of the base
-        model are in no group). The default is the torch reference: one shrink and one expand per slot in use."""
+        model are in no group). ``out_slices`` (contract 1.14), where given: a merged layer's output slices
+        ``(offset, size)``, slice ``i`` taking only B's columns ``i * R' .. (i + 1) * R'`` with
+        ``R' = R / len(out_slices)`` (B is zero elsewhere in those rows), so that a kernel may skip B's zero blocks;
+        None: B is dense. The default is the torch reference: one shrink and one expand per slot in use."""
         from engine.model.layers.lora_reference import add_lora
 
         return add_lora(y, x, lora_a, lora_b, mapping)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -70,6 +71,10 @@ class LoRALinear:
         width = len(slices) * max_rank
         self.lora_a = torch.zeros(max_loras, width, in_size, dtype=torch.float32, device=device)
         self.lora_b = torch.zeros(out_size, max_loras, width, dtype=torch.float32, device=device)
+        # where B is not zero: slice i's output rows take its own R columns (a 1.13 kernel gets no out_slices)
+        self.out_slices = tuple((piece.out_offset, piece.out_size) for piece in slices)
+        takes_slices = "out_slices" in inspect.signature(kernels.add_lora).parameters
+        self.product_kwargs: dict[str, Any] = {"out_slices": self.out_slices} if takes_slices else {}
 
     def set_slot(self, slot: int, weights: Sequence[Optional[tuple[torch.Tensor, torch.Tensor, float]]]) -> None:
         """Fill ``slot`` with one adapter: per slice, its full ``(A [r, in], B [out, r], scaling)`` or None where the
@@ -96,4 +101,4 @@ class LoRALinear:
         mapping = self.punica.mapping
         if mapping is None:
             return y
-        return self.kernels.add_lora(y, x, self.lora_a, self.lora_b, mapping)
+        return self.kernels.add_lora(y, x, self.lora_a, self.lora_b, mapping, **self.product_kwargs)

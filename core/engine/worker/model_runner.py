@@ -242,14 +242,15 @@ class ModelRunner:
 
     def _run_model(self, inputs: StepInputs) -> Any:
         """The final hidden states: the captured decode step where it takes this step, else the eager model
-        (always for a step where a token runs with a LoRA adapter: the capture holds the base model's products).
+        (also for a step where a token runs with a LoRA adapter, unless the capture takes such steps).
         A pipeline stage receives the previous stage's tensors first; all but the last return theirs."""
         lora = self.lora_manager
         if lora is None:
             return self._forward(inputs, use_capture=True)
         mapping = lora.set_step(self.batch.lora_int_id[: len(inputs.req_ids)], inputs.num_scheduled)
         try:
-            return self._forward(inputs, use_capture=mapping is None)
+            takes_lora = self.decode_step is not None and self.decode_step.takes_lora_steps
+            return self._forward(inputs, use_capture=mapping is None or takes_lora)
         finally:
             lora.clear_step()
 

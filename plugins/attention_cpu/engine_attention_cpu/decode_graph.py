@@ -20,6 +20,7 @@ import torch
 
 from engine.distributed.parallel_state import get_tp_group
 from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUnsupported
+from engine.lora.mapping import PunicaWrapper
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.product_choice import ROW_BUCKETS, BucketedProduct
@@ -103,14 +104,17 @@ def _check_layer(index: int, layer: Any, kernels: Any) -> None:
 
 class CpuCapturedDecodeStep(CapturedDecodeStep):
     """The decoder-layer loop of one model in C++, one graph per row bucket; embedding in Python before it (one
-    call)."""
+    call). With LoRA layers, a step whose tokens run adapters replays too: the graph adds each token's adapter
+    product after each base product, with the LoRA kernel the eager layers call (``csrc/lora.cpp``)."""
 
     takes_short_queries = True  # the cpu attention metadata runs a short query as one decode row per token
+    takes_lora_steps = True
 
-    def __init__(self, model: Any, graphs: list[tuple[float, Any]]):
+    def __init__(self, model: Any, graphs: list[tuple[float, Any]], punica: Optional[PunicaWrapper] = None):
         self.model = model
         self.graphs = graphs  # (most rows, graph), ascending
         self.max_batch_size = int(min(graphs[-1][0], UNBOUNDED_ROWS))
+        self.punica = punica  # the step's LoRA mapping, shared with the layers (None: no LoRA layers)
 
     def __call__(self, input_ids, positions, attn_metadata) -> Optional[torch.Tensor]:
         if len(attn_metadata) != 1:
@@ -122,9 +126,15 @@ class CpuCapturedDecodeStep(CapturedDecodeStep):
         graph = next((g for max_rows, g in self.graphs if rows <= max_rows), None)
         if graph is None:
             return None
+        mapping = self.punica.mapping if self.punica is not None else None
         hidden_states = self.model.model.embed(input_ids).contiguous()
         return graph.run(
-            hidden_states, positions, metadata.slot_mapping, metadata.decode_block_table, metadata.decode_seq_lens
+            hidden_states,
+            positions,
+            metadata.slot_mapping,
+            metadata.decode_block_table,
+            metadata.decode_seq_lens,
+            None if mapping is None else mapping.token_slots,
         )
 
 
@@ -154,11 +164,36 @@ def capture_decode_step(kernels: Any, model: Any, attention_layers: dict[str, An
             layer.input_layernorm.eps == layer.post_attention_layernorm.eps,
             f"layer {index}'s two norms differ in epsilon",
         )
+    punica = _lora_punica(decoder, kernels)
     graphs, low = [], 0.0
     for bucket in ROW_BUCKETS:
         graphs.append((bucket.max_rows, _decode_graph(decoder, (low, bucket.max_rows))))
         low = bucket.max_rows
-    return CpuCapturedDecodeStep(model, graphs)
+    return CpuCapturedDecodeStep(model, graphs, punica)
+
+
+def _lora_layers(layer: Any) -> list[Any]:
+    """The LoRA layers (LoRALinear or None) of a decoder layer's four products, in the graph's order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [getattr(module, "lora", None) for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+
+
+def _lora_punica(decoder: Any, kernels: Any) -> Optional[PunicaWrapper]:
+    """The mapping holder the model's LoRA layers share (None without LoRA), once the graph can add their products
+    as the eager layers do: through this plugin's LoRA kernel."""
+    loras = [lora for layer in decoder.layers for lora in _lora_layers(layer) if lora is not None]
+    if not loras:
+        return None
+    _require(kernels.lora_kernel_built(), "the LoRA kernel (_lora) is not built: LoRA layers run eagerly")
+    _require(all(lora.kernels is kernels for lora in loras), "LoRA layers on other layer kernels")
+    _require(all(lora.punica is loras[0].punica for lora in loras), "LoRA layers with several step mappings")
+    return loras[0].punica
+
+
+def _lora_spec(lora: Any) -> Optional[tuple]:
+    if lora is None:
+        return None
+    return (lora.lora_a, lora.lora_b, [offset for offset, _ in lora.out_slices], [size for _, size in lora.out_slices])
 
 
 def _decode_graph(decoder: Any, rows: tuple[float, float]) -> Any:
@@ -194,6 +229,7 @@ def _decode_graph(decoder: Any, rows: tuple[float, float]) -> Any:
             attn.rotary_emb.table.cos,
             attn.rotary_emb.table.sin,
             inner.kv_cache,
+            [_lora_spec(lora) for lora in _lora_layers(layer)],
         )
     graph.set_final_norm(decoder.norm.weight, float(decoder.norm.eps))
     return graph

@@ -21,7 +21,7 @@ from engine.model.layers.product_choice import ProductCandidate
 from engine_attention_cpu import mamba
 from engine_attention_cpu.decode_graph import capture_decode_step
 from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available, gemm_variants
-from engine_attention_cpu.lora import MASKED_MAX_TOKENS, add_lora_masked
+from engine_attention_cpu.lora import add_lora_kernel, kernel_takes, load_lora_ops
 from engine_attention_cpu.moe import (
     NEVER,
     CpuFusedExperts,
@@ -65,6 +65,7 @@ class CpuLayerKernels(NativeLayerKernels):
         self._gemm = cpu_gemm_available()
         self._has_moe = importlib.util.find_spec("engine_attention_cpu._moe") is not None
         self._mamba = _load_mamba_ops()
+        self._lora = load_lora_ops()
         self._expert_kinds: dict[tuple, int] = {}  # experts' shapes and dtype or format -> rows where the kind switches
 
     @classmethod
@@ -76,6 +77,8 @@ class CpuLayerKernels(NativeLayerKernels):
             reasons.append("its C++ kernels are not built (pip install --no-build-isolation plugins/attention_cpu)")
         elif ctx.config.model.batch_invariant and not cpu_gemm_available():
             reasons.append("batch_invariant: its GEMM needs AVX2 and FMA, which this CPU lacks")
+        elif ctx.config.model.batch_invariant and ctx.config.lora.enable_lora and load_lora_ops() is None:
+            reasons.append("batch_invariant with lora.enable_lora: its LoRA kernel (_lora) is not built")
         return reasons
 
     @classmethod
@@ -188,11 +191,14 @@ class CpuLayerKernels(NativeLayerKernels):
             return super().selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc)
         return mamba.selective_scan(self._mamba, x, dt, A, B, C, D, z, dt_bias, ssm_state, query_start_loc)
 
-    def add_lora(self, y, x, lora_a, lora_b, mapping):
-        """Decode-sized steps in the masked form (``lora.py``: all slots in two products), larger ones grouped."""
-        if mapping.num_tokens <= MASKED_MAX_TOKENS and _cpu_rows(x) and lora_a.device.type == "cpu":
-            return add_lora_masked(y, x, lora_a, lora_b, mapping)
-        return super().add_lora(y, x, lora_a, lora_b, mapping)
+    def lora_kernel_built(self) -> bool:
+        return self._lora is not None
+
+    def add_lora(self, y, x, lora_a, lora_b, mapping, out_slices=None):
+        """One C++ call per layer and step (``lora.py``), where it is built and takes the operands."""
+        if self._lora is not None and kernel_takes(y, x, lora_a, lora_b):
+            return add_lora_kernel(self._lora, y, x, lora_a, lora_b, mapping, out_slices)
+        return super().add_lora(y, x, lora_a, lora_b, mapping, out_slices)
 
     def capture_decode_step(self, model, attention_layers):
         """The decoder-layer loop of a Llama-shaped model replayed in C++ for pure decode steps (``decode_graph``)."""

@@ -1,26 +1,60 @@
-"""The batched LoRA product for CPUs: for a decode-sized step, every slot's shrink in one product, each token's own
-slot kept by a mask, and every slot's expand in one more (two GEMMs and a multiply per layer instead of four ops per
-adapter); larger steps run the grouped torch reference, where the products' arithmetic outweighs the calls."""
+"""The batched LoRA product for CPUs (``csrc/lora.cpp``): one C++ call per layer and step that shrinks each LoRA
+token with its own slot's A and expands with its own slot's B, reading only the B columns of the token's output
+slice in a merged layer (q/k/v, gate/up), where the torch forms multiply B's zero blocks too. Each row's sums run in
+one fixed order, whatever the batch: the product is batch-invariant.
+
+It takes every step size (``scripts/bench_lora_product.py``, SmolLM2's four LoRA layers, 4 slots of rank 16, AVX2
+EPYC: 4x faster than the torch forms at 64 tokens, 2x at 1,024). At 2,048 tokens whose adapters each form one run
+the grouped torch GEMMs are about 1.2x faster, but a prompt step's requests interleave adapters and the grouped form
+then gathers their rows: on W1's prompt steps the kernel spent 2.7 s where the grouped form spent 6.4 s.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+from typing import Any, Optional, Sequence
 
 import torch
 
-# tokens in a step up to which the masked form runs (measured on SmolLM2's projections, 4 slots of rank 16 on an
-# AVX2 EPYC: 4x to 1.2x faster than the grouped reference up to 128 tokens, slower from 256: it computes every
-# slot's products for every token)
-MASKED_MAX_TOKENS = 128
+
+def load_lora_ops():
+    """The ``_lora`` extension, or None where it is not built (the torch reference then runs)."""
+    if importlib.util.find_spec("engine_attention_cpu._lora") is None:
+        return None
+    from engine_attention_cpu import _lora
+
+    return _lora
 
 
-def add_lora_masked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: Any):
-    """``LayerKernels.add_lora`` as ``y += ((x A^T) * mask) B^T`` over the slots ``0..mapping.num_slots - 1``."""
-    slots, rank = mapping.num_slots, lora_a.shape[1]
-    a = lora_a[:slots].reshape(slots * rank, lora_a.shape[2])
-    b = lora_b[:, :slots].reshape(lora_b.shape[0], slots * rank)
-    shrunk = torch.mm(x if x.dtype == a.dtype else x.to(a.dtype), a.t())
-    shrunk = shrunk.view(-1, slots, rank).mul_(mapping.slot_mask).view(-1, slots * rank)
-    if y.dtype == b.dtype:
-        return y.addmm_(shrunk, b.t())
-    return y.add_(torch.mm(shrunk, b.t()).to(y.dtype))
+def kernel_takes(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes these operands (CPU rows of one float dtype, float32 adapters)."""
+    return (
+        y.device.type == "cpu"
+        and lora_a.device.type == "cpu"
+        and y.dim() == 2
+        and x.dim() == 2
+        and x.dtype == y.dtype
+        and y.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and y.stride(-1) == 1
+        and x.stride(-1) == 1
+        and lora_a.dtype == torch.float32
+        and lora_b.dtype == torch.float32
+        and lora_a.is_contiguous()
+        and lora_b.is_contiguous()
+    )
+
+
+def add_lora_kernel(
+    ops: Any,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    mapping: Any,
+    out_slices: Optional[Sequence[tuple[int, int]]],
+) -> torch.Tensor:
+    """``LayerKernels.add_lora`` in one C++ call (B dense where ``out_slices`` is None)."""
+    slices = out_slices or ((0, y.shape[1]),)
+    return ops.add_lora(
+        y, x, lora_a, lora_b, mapping.token_slots, [offset for offset, _ in slices], [size for _, size in slices]
+    )

@@ -4,6 +4,8 @@ bfloat16."""
 
 from __future__ import annotations
 
+from inspect import signature
+
 import pytest
 import torch
 
@@ -292,11 +294,12 @@ def test_mamba_state_kernels_match_the_reference(kernels, dtype, lengths):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("layout", ["runs", "scattered", "one adapter", "base only rows"])
+@pytest.mark.parametrize("layout", ["runs", "scattered", "one adapter", "base only rows", "merged slices"])
 def test_batched_lora_product_matches_each_tokens_own_product(kernels, dtype, layout):
     """``add_lora`` adds, to every token's row, its own adapter's ``B (A x)`` and nothing to the base model's rows:
-    tokens in runs per adapter (requests one after another), scattered, all on one adapter, and mixed with rows of
-    the base model; checked against each token's product alone (the definition, not the torch reference)."""
+    tokens in runs per adapter (requests one after another), scattered, all on one adapter, mixed with rows of
+    the base model, and a merged layer (three slices, B block-diagonal, ``out_slices`` given); checked against each
+    token's product alone (the definition, not the torch reference)."""
     import numpy as np
 
     from engine.lora.mapping import LoRAMapping
@@ -305,11 +308,22 @@ def test_batched_lora_product_matches_each_tokens_own_product(kernels, dtype, la
     slots, rank, hidden, out = 3, 8, 40, 56
     lora_a = torch.randn(slots, rank, hidden, generator=gen)
     lora_b = torch.randn(out, slots, rank, generator=gen) * 0.1
+    out_slices = None
+    if layout == "merged slices":
+        if "out_slices" not in signature(kernels.add_lora).parameters:
+            pytest.skip("a contract 1.13 add_lora: it takes no out_slices")
+        # q/k/v-like: 24 + 16 + 16 rows, each with its own 4 of B's 12 columns
+        out_slices = ((0, 24), (24, 16), (40, 16))
+        lora_a = torch.randn(slots, 3 * 4, hidden, generator=gen)
+        lora_b = torch.zeros(out, slots, 3 * 4)
+        for index, (offset, size) in enumerate(out_slices):
+            lora_b[offset : offset + size, :, 4 * index : 4 * index + 4] = torch.randn(size, slots, 4) * 0.1
     token_slots = {
         "runs": [0] * 5 + [2] * 7 + [-1] * 3 + [1] * 4,
         "scattered": [1, -1, 0, 1, 2, 0, -1, 2, 1, 0, 0, 2],
         "one adapter": [2] * 9,
         "base only rows": [-1, -1, 1, -1],
+        "merged slices": [2, 0, -1, 1, 1, 0, 2],
     }[layout]
     x = torch.randn(len(token_slots), hidden, generator=gen).to(dtype)
     y = torch.randn(len(token_slots), out, generator=gen).to(dtype)
@@ -319,6 +333,9 @@ def test_batched_lora_product_matches_each_tokens_own_product(kernels, dtype, la
     for t, slot in enumerate(token_slots):
         if slot >= 0:
             want[t] += (lora_b[:, slot] @ (lora_a[slot] @ x[t].float())).to(dtype)
-    got = kernels.add_lora(y.clone(), x, lora_a, lora_b, mapping)
+    if out_slices is None:
+        got = kernels.add_lora(y.clone(), x, lora_a, lora_b, mapping)
+    else:
+        got = kernels.add_lora(y.clone(), x, lora_a, lora_b, mapping, out_slices=out_slices)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, **tolerance(dtype))

@@ -1,6 +1,7 @@
 // The decode step captured once and replayed in C++: the decoder-layer loop of a Llama-shaped model (norms,
-// products, RoPE, KV write, paged decode attention, SiLU-and-multiply) for pure decode steps, with no Python
-// between the kernels, the role CUDA graphs play on a GPU.
+// products, RoPE, KV write, paged decode attention, SiLU-and-multiply, and each token's LoRA adapter product where
+// the step has adapters) for pure decode steps, with no Python between the kernels, the role CUDA graphs play on a
+// GPU.
 //
 // It calls the very kernels the eager layers call, in the same order on the same tensors, so a captured step
 // gives the eager step's bits: this file compiles those kernel sources in (their Python bindings left out),
@@ -40,6 +41,9 @@ namespace engine_layers {
 }  // namespace engine_layers
 #include "quant_gemm.cpp"  // namespace engine_quant
 #pragma GCC pop_options
+namespace engine_lora {
+#include "lora.cpp"
+}  // namespace engine_lora
 
 namespace engine_graph {
 
@@ -47,22 +51,30 @@ namespace engine_graph {
 // products on a packed quantized weight (the same entry points as CpuPackedLinear and QuantDotProduct), or, where
 // the measurement chose a product outside this plugin (torch's, oneDNN's), that Python callable, called with the
 // GIL taken for it.
+// With LoRA enabled, the layer's adapter slots (LoRALinear's A and B, filled in place as adapters come and go) and
+// its output slices: a step whose tokens run adapters adds each token's own product (LayerKernels.add_lora).
 struct Product {
   enum Kind { kGemm, kQuant, kPython } kind = kGemm;
   torch::Tensor weight;  // panels [ceil(N/16), K, 16] float32, or packed blocks [N, bytes]
   c10::optional<torch::Tensor> scales, bias;
   int64_t format = 0, variant = 0, out_features = 0;
   std::shared_ptr<py::object> callable;
+  torch::Tensor lora_a, lora_b;  // undefined without LoRA
+  std::vector<int64_t> slice_offsets, slice_sizes;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  torch::Tensor operator()(const torch::Tensor& x, const c10::optional<torch::Tensor>& token_slots) const {
+    torch::Tensor y;
     switch (kind) {
-      case kQuant: return engine_quant::forward(x, weight, scales, format, variant, bias, out_features);
-      case kGemm: return engine_cpu::forward(x, weight, bias, out_features, variant);
+      case kQuant: y = engine_quant::forward(x, weight, scales, format, variant, bias, out_features); break;
+      case kGemm: y = engine_cpu::forward(x, weight, bias, out_features, variant); break;
       default: {
         py::gil_scoped_acquire gil;
-        return (*callable)(x).cast<torch::Tensor>();
+        y = (*callable)(x).cast<torch::Tensor>();
       }
     }
+    if (token_slots.has_value() && lora_a.defined())
+      engine_lora::add_lora(y, x, lora_a, lora_b, *token_slots, slice_offsets, slice_sizes);
+    return y;
   }
 };
 
@@ -83,14 +95,25 @@ class DecodeGraph {
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<py::tuple> products,
                  c10::optional<torch::Tensor> o_bias, c10::optional<torch::Tensor> down_bias, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_size, double scale, double soft_cap, int64_t sliding_window,
-                 torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache) {
+                 torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache, std::vector<py::object> loras) {
     TORCH_CHECK(products.size() == 4, "a layer has four products: qkv, o, gate_up, down");
+    TORCH_CHECK(loras.empty() || loras.size() == 4, "one LoRA entry (or None) per product");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, kv_heads, block, D]");
     Layer layer{input_norm.to(torch::kFloat32).contiguous(), post_norm.to(torch::kFloat32).contiguous(), eps};
     layer.qkv = product(products[0]);
     layer.o = product(products[1]);
     layer.gate_up = product(products[2]);
     layer.down = product(products[3]);
+    Product* adapted[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    for (size_t i = 0; i < loras.size(); ++i) {
+      if (loras[i].is_none()) continue;  // (lora_a, lora_b, slice offsets, slice sizes)
+      const auto entry = loras[i].cast<py::tuple>();
+      TORCH_CHECK(entry.size() == 4, "a LoRA entry is (lora_a, lora_b, slice_offsets, slice_sizes)");
+      adapted[i]->lora_a = entry[0].cast<torch::Tensor>();
+      adapted[i]->lora_b = entry[1].cast<torch::Tensor>();
+      adapted[i]->slice_offsets = entry[2].cast<std::vector<int64_t>>();
+      adapted[i]->slice_sizes = entry[3].cast<std::vector<int64_t>>();
+    }
     layer.o_bias = o_bias;
     layer.down_bias = down_bias;
     layer.num_heads = num_heads;
@@ -113,9 +136,10 @@ class DecodeGraph {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // hidden [T, H] (the embedded tokens, one per request), positions [T], slot_mapping [T] int64, block_table
-  // [T, max_blocks] int32, seq_lens [T] int32 -> the final norm's output [T, H], as LlamaModel.forward gives it.
+  // [T, max_blocks] int32, seq_lens [T] int32, token_slots [T] int64 (each token's LoRA slot, -1: the base model;
+  // None: no token runs an adapter) -> the final norm's output [T, H], as LlamaModel.forward gives it.
   torch::Tensor run(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
-                    torch::Tensor block_table, torch::Tensor seq_lens) {
+                    torch::Tensor block_table, torch::Tensor seq_lens, c10::optional<torch::Tensor> token_slots) {
     TORCH_CHECK(!layers_.empty() && final_norm_.defined(), "the decode graph has no layers");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden states: contiguous [tokens, hidden]");
     const int64_t tokens = hidden.size(0);
@@ -131,7 +155,7 @@ class DecodeGraph {
         engine_layers::fused_add_rms_norm(hidden, residual, L.input_norm, L.eps);
       }
       const int64_t q_size = L.num_heads * L.head_size, kv_size = L.num_kv_heads * L.head_size;
-      const torch::Tensor qkv = L.qkv(hidden);
+      const torch::Tensor qkv = L.qkv(hidden, token_slots);
       const torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
                           v = qkv.narrow(1, q_size + kv_size, kv_size);
       engine_layers::rotary_embedding(pos, q, k, L.cos, L.sin, L.head_size);
@@ -143,13 +167,13 @@ class DecodeGraph {
       engine_attention::paged_decode_attention(attn, q.view({tokens, L.num_heads, L.head_size}).contiguous(),
                                                key_cache, value_cache, block_table, seq_lens, L.scale, L.soft_cap,
                                                L.sliding_window);
-      hidden = L.o(attn.view({tokens, q_size}));
+      hidden = L.o(attn.view({tokens, q_size}), token_slots);
       if (L.o_bias.has_value()) hidden = hidden + *L.o_bias;
       engine_layers::fused_add_rms_norm(hidden, residual, L.post_norm, L.eps);
-      const torch::Tensor gate_up = L.gate_up(hidden);
+      const torch::Tensor gate_up = L.gate_up(hidden, token_slots);
       torch::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
       engine_layers::silu_and_mul(act, gate_up);
-      hidden = L.down(act);
+      hidden = L.down(act, token_slots);
       if (L.down_bias.has_value()) hidden = hidden + *L.down_bias;
     }
     engine_layers::fused_add_rms_norm(hidden, residual, final_norm_, final_eps_);
@@ -205,11 +229,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &engine_graph::DecodeGraph::add_layer, py::arg("input_norm"), py::arg("post_norm"),
            py::arg("eps"), py::arg("products"), py::arg("o_bias"), py::arg("down_bias"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_size"), py::arg("scale"), py::arg("soft_cap"),
-           py::arg("sliding_window"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"))
+           py::arg("sliding_window"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
+           py::arg("loras") = std::vector<py::object>())
       .def("set_final_norm", &engine_graph::DecodeGraph::set_final_norm)
       .def("num_layers", &engine_graph::DecodeGraph::num_layers)
       // without the GIL, as the eager kernels: the engine's other Python threads run during the step
       .def("run", &engine_graph::DecodeGraph::run, py::arg("hidden"), py::arg("positions"),
-           py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"),
+           py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("token_slots") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }
