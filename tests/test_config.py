@@ -55,7 +55,7 @@ def test_yaml_may_use_flat_keys(tmp_path):
     [
         ({"max_num_batched_tokens": -5}, "scheduler.max_num_batched_tokens"),
         ({"block_size": 12}, "cache.block_size: Value error, must be one of (8, 16, 32, 64, 128, 256, 512)"),
-        ({"dtype": "float64"}, "'float32', 'bfloat16'"),
+        ({"dtype": "float8"}, "'float32', 'bfloat16'"),
         ({"kv_cache_memory": "lots"}, "cache.kv_cache_memory"),
         ({"not_a_key": 1}, "unknown config key 'not_a_key'"),
         ({"cache": {"blocksize": 16}}, "cache.blocksize: unknown key; valid keys here: ['block_size'"),
@@ -96,7 +96,7 @@ def test_cli_flags_override_the_file(tmp_path):
 
 def test_cli_rejects_a_choice_outside_the_literal():
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["plugins", "--dtype", "float64"])
+        build_parser().parse_args(["plugins", "--dtype", "float8"])
 
 
 def test_config_reference_is_current():

@@ -438,3 +438,8 @@ def test_named_tool_choice_returns_valid_tool_calls_streamed_and_not(client):
             arguments += delta.function.arguments or ""
     assert names == {"get_weather"} and len(ids) == 1 and finish == "stop"
     jsonschema.validate(json.loads(arguments), schema)
+
+
+def test_no_shadow_answers_404_with_an_openai_error(server):
+    response = httpx.get(server.url + "/v1/shadow")
+    assert response.status_code == 404 and "--shadow" in response.json()["error"]["message"]

@@ -15,6 +15,7 @@ from engine_bench.neighbours import noisy_neighbours
 from engine_bench.stats import environment, write_json
 
 # config keys that take a plugin name (and the dtype): a comma-separated value means one A/B variant per name
+COMMA_KEYS = {"shadow.overrides"}  # values that hold commas themselves (KEY=VALUE,KEY=VALUE): never A/B lists
 AB_KEYS = {**{kind.name: kind.config_key for kind in KINDS.values() if kind.config_key}, "dtype": "model.dtype"}
 
 
@@ -208,6 +209,15 @@ def add_bench_parser(sub) -> None:
     )
     srv.set_defaults(func=cmd_serve)
 
+    shadow = kinds.add_parser(
+        "shadow-report", help="a server's shadow A/B (GET /v1/shadow): the verdicts as JSON and drawn (--plot)"
+    )
+    shadow.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    shadow.add_argument("--api-key", default=None)
+    shadow.add_argument("--output", help="write the report (JSON) here too")
+    shadow.add_argument("--plot", help="PNG: logprob differences, top-1 agreement, TPOT ratio")
+    shadow.set_defaults(func=cmd_shadow_report)
+
     soak = kinds.add_parser(
         "soak",
         help="launch `engine serve` (arguments after --) and drive it with mixed W1 traffic for a long time "
@@ -242,7 +252,8 @@ def _split_variants(args) -> tuple[dict, list[tuple[str, dict]]]:
             variants = [(value, {})]
     for section, values in list(base.items()):  # any other key given as V1,V2 (--data-parallel-size 1,2)
         for key, value in list(values.items()) if isinstance(values, dict) else []:
-            if isinstance(value, str) and "," in value and f"{section}.{key}" not in AB_KEYS.values():
+            dotted = f"{section}.{key}"
+            if isinstance(value, str) and "," in value and dotted not in AB_KEYS.values() and dotted not in COMMA_KEYS:
                 values.pop(key)
                 variants = _crossed(
                     variants, f"{section}.{key}", [v.strip() for v in value.split(",") if v.strip()], prefix=f"{key}="
@@ -798,6 +809,19 @@ def cmd_serve(args) -> int:
     if args.plot and multiples and args.slo_ttft_ms is not None:
         _goodput_plot(args.plot.removesuffix(".png") + "_goodput.png", {"server": results}, args.slo_ttft_ms)
     return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def cmd_shadow_report(args) -> int:
+    require_bench_extra("httpx", *(["matplotlib"] if args.plot else []))
+    from engine_bench.shadow_report import fetch_report, plot_report
+
+    report = fetch_report(args.url, args.api_key)
+    print(json.dumps(report, indent=1))
+    if args.output:
+        write_json(args.output, {"benchmark": "shadow-report", "url": args.url, **report})
+    if args.plot:
+        plot_report(report, args.plot)
+    return 0
 
 
 def cmd_soak(args) -> int:

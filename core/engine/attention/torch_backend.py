@@ -111,6 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     priority = 0
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the numerics oracle
 
     @staticmethod
     def get_impl_cls():

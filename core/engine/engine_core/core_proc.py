@@ -15,6 +15,7 @@ from engine.config import VllmConfig
 from engine.data_parallel.prefix_summary import PrefixSummary, summary_bits
 from engine.engine_core.engine_core import EngineCore
 from engine.lifetime import (
+    continue_when_parent_dies,
     exit_on_sigterm,
     remove_ipc_dir,
     set_process_name,
@@ -195,6 +196,9 @@ class EngineCoreProc(EngineCore):
         exit_on_sigterm()
         size = vllm_config.parallel.data_parallel_size
         set_process_name("EngineCore" if size == 1 else f"EngineCore_DP{vllm_config.parallel.data_parallel_rank}")
+        continue_when_parent_dies()  # a core its parent paused (SIGSTOP) still ends with it
+        if vllm_config.device.niceness:  # before any thread starts: each inherits it (workers too)
+            os.nice(vllm_config.device.niceness)
         core = None
         try:  # everything inside: a SIGTERM at any instant still reaches the finally
             watch_parent(parent_pid, "engine core", cleanup=lambda: remove_ipc_dir(ipc_dir))

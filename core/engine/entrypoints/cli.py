@@ -150,9 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(plug)
     plug.set_defaults(func=cmd_plugins)
 
+    from engine.entrypoints.check import add_check_command
     from engine.entrypoints.replay import add_replay_command
 
     add_replay_command(sub)
+    add_check_command(sub)
     add_installed_commands(sub)
 
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")

@@ -73,6 +73,8 @@ class CpuLayerKernels(NativeLayerKernels):
         reasons = []
         if ctx.device != "cpu":
             reasons.append(f"runs on the CPU only (device is {ctx.device})")
+        if ctx.model_info is not None and ctx.model_info.dtype == torch.float64:
+            reasons.append("dtype float64 unsupported (float32, bfloat16, float16)")
         if any(importlib.util.find_spec(f"engine_attention_cpu.{ext}") is None for ext in ("_layers", "_gemm")):
             reasons.append("its C++ kernels are not built (pip install --no-build-isolation plugins/attention_cpu)")
         elif ctx.config.model.batch_invariant and not cpu_gemm_available():

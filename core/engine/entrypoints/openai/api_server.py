@@ -19,7 +19,7 @@ import engine as engine_pkg
 from engine.config import VllmConfig
 from engine.entrypoints.openai.errors import install_exception_handlers
 from engine.entrypoints.openai.middleware import ApiKeyMiddleware, RequestGuardMiddleware
-from engine.entrypoints.openai.routers import chat, completions, health, models
+from engine.entrypoints.openai.routers import chat, completions, health, models, shadow
 from engine.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("engine.server")
@@ -37,6 +37,8 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
         yield
         serving.cancel_start.set()
         await asyncio.shield(loader)  # the start-up thread stops its core before it returns
+        if serving.shadow is not None:
+            await serving.shadow.shutdown()
         if serving.engine is not None:
             serving.engine.shutdown()
 
@@ -48,7 +50,7 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestGuardMiddleware, max_body_bytes=int(config.server.max_request_body_bytes))
     install_exception_handlers(app)
-    for router in (health.router, models.router, completions.router, chat.router):
+    for router in (health.router, models.router, completions.router, chat.router, shadow.router):
         app.include_router(router)
     return app
 
@@ -75,6 +77,8 @@ async def _load_engine(app: FastAPI, serving: OpenAIServing) -> None:
         return
     engine = serving.engine
     assert engine is not None  # loaded
+    if serving.shadow is not None:
+        serving.shadow.start()  # after the primary: the shadow never delays serving
     engine.watch()  # its output handler notices cores dying (and restarts them) even while no request runs
     while not serving.cancel_start.is_set():
         if engine.errored:

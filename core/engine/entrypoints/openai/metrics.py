@@ -14,7 +14,7 @@ import os
 from typing import Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.messages import SchedulerStats
@@ -121,6 +121,82 @@ class EngineCollector(Collector):
         yield per_pos
 
 
+class ShadowCollector(Collector):
+    """The shadow A/B's series (``engine_shadow_*``), from the mirror's report at scrape time."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.report: Optional[dict] = None
+
+    def collect(self) -> Iterable[Metric]:
+        report = self.report
+        if report is None:
+            return
+        labels, values = (
+            ["model_name", "overrides"],
+            [self.model_name, ",".join(f"{k}={v}" for k, v in report["overrides"].items())],
+        )
+        requests = report["requests"]
+        for name, doc, key in (
+            ("engine_shadow_requests_seen", "Requests the server served while a shadow was configured", "seen"),
+            ("engine_shadow_mirrored", "Finished requests queued for the shadow", "mirrored"),
+            (
+                "engine_shadow_dropped",
+                "Mirrored requests dropped: the shadow's queue was full (or it stopped)",
+                "dropped",
+            ),
+            ("engine_shadow_completed", "Mirrored requests the shadow ran and compared", "completed"),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, requests[key])
+            yield counter
+        up = GaugeMetricFamily("engine_shadow_up", "1 while the shadow engine runs", labels=labels)
+        up.add_metric(values, 1 if report["state"] == "running" else 0)
+        yield up
+        comparison = report["comparison"]
+        if comparison is None:
+            return
+        errors = CounterMetricFamily("engine_shadow_errors", "Mirrored requests the shadow failed on", labels=labels)
+        errors.add_metric(values, comparison["errors"]["count"])
+        yield errors
+        tokens = CounterMetricFamily(
+            "engine_shadow_tokens_compared", "Output tokens compared teacher-forced", labels=labels
+        )
+        tokens.add_metric(values, comparison["tokens_compared"])
+        yield tokens
+        agreement = comparison["top1_agreement"]
+        for name, doc, value in (
+            ("engine_shadow_agreement", "Top-1 agreement of the shadow with the primary (0-1)", agreement["rate"]),
+            (
+                "engine_shadow_counted_disagreements",
+                "Top-1 disagreements where the primary's margin exceeds the dtype's tolerance",
+                agreement["counted_disagreements"],
+            ),
+            (
+                "engine_shadow_latency_ratio",
+                "Shadow TPOT / primary TPOT (geometric mean)",
+                comparison["tpot_ratio"]["geometric_mean"],
+            ),
+        ):
+            if value is not None:
+                gauge = GaugeMetricFamily(name, doc, labels=labels)
+                gauge.add_metric(values, value)
+                yield gauge
+        delta = comparison["logprob_delta"]["histogram"]
+        cumulative, buckets = 0, []
+        for bound, count in zip(delta["le"], delta["counts"]):
+            cumulative += count
+            buckets.append((str(bound) if isinstance(bound, str) else repr(bound), cumulative))
+        histogram = HistogramMetricFamily(
+            "engine_shadow_logprob_delta",
+            "|shadow - primary| log-probability of the primary's token, nats",
+            labels=labels,
+        )
+        mean_abs = comparison["logprob_delta"]["mean_abs"] or 0.0
+        histogram.add_metric(values, buckets, sum_value=mean_abs * comparison["tokens_compared"])
+        yield histogram
+
+
 class ServerMetrics:
     """One registry per app, so several servers in one process do not collide (``registry``: what a scrape
     shows of this process alone). ``exposition()`` is what ``/metrics`` answers."""
@@ -129,6 +205,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine = EngineCollector(model_name, api_server)
         self.registry.register(self.engine)
+        self.shadow = ShadowCollector(model_name)
+        self.registry.register(self.shadow)
         self.shared = multiprocess_mode()
         # front-end series: in the shared folder with several API servers (not in a registry: the folder's
         # collector shows every process's at once), else in this registry
@@ -167,6 +245,10 @@ class ServerMetrics:
     def update_from_stats(self, stats: SchedulerStats) -> None:
         """The engine-core series from ``get_stats()`` (every DP rank's in ``per_rank``)."""
         self.engine.stats = stats
+
+    def update_from_shadow(self, report: dict) -> None:
+        """The shadow A/B's series from ``ShadowMirror.report()``."""
+        self.shadow.report = report
 
     def update_from_health(self, report: dict) -> None:
         """The fault gauges from ``AsyncLLM.health()``."""

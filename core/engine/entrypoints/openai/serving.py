@@ -48,6 +48,7 @@ class OpenAIServing:
             on_refused=lambda reason: self.metrics.requests_refused.labels(self.model_name, reason).inc(),
         )
         self.engine = None  # AsyncLLM, once loaded
+        self.shadow = None  # ShadowMirror, when shadow.overrides are set (started once the engine is up)
         self.load_error: Optional[str] = None
         self.cancel_start = threading.Event()  # set on shutdown: a start-up in progress stops its engine core
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -60,6 +61,11 @@ class OpenAIServing:
         from engine.frontend.async_llm import AsyncLLM
 
         self.engine = AsyncLLM(self.config, self.cancel_start, self.remote)
+        if self.config.shadow.enabled:
+            from engine.shadow.mirror import ShadowMirror
+
+            info = self.engine.model_info
+            self.shadow = ShadowMirror(self.config, str(info.dtype).removeprefix("torch."), info.max_model_len)
         return self.engine
 
     def get_engine(self):
@@ -144,12 +150,19 @@ class OpenAIServing:
     async def generate(self, engine, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one prepared prompt, measured for the metrics."""
         self.admission.started(prepared.request_id)
+        shadow = self.shadow
+        key, ticket = shadow.track(prepared) if shadow is not None else (None, None)
         try:
-            async for output in self._generate(engine, prepared):
+            async for output in self._generate(engine, ticket.prepared if ticket is not None else prepared):
                 self.admission.first_output(prepared.request_id)
+                if ticket is not None:  # a mirrored request: its tokens and times for the shadow
+                    ticket.observe(output, time.monotonic())
+                    output = ticket.visible(output)
                 yield output
         finally:
             self.admission.release(prepared.request_id)
+            if shadow is not None:
+                shadow.finish(key)
 
     async def _generate(self, engine, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         timer = RequestTimer(self.metrics, time.monotonic)

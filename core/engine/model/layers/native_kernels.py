@@ -121,7 +121,9 @@ class NativeLayerKernels(LayerKernels):
         if x.dtype == torch.float32:  # one call, the same three steps as below
             return F.rms_norm(x, weight.shape, weight, eps)
         dtype = x.dtype
-        x32 = x.float()
+        x32 = x.to(
+            torch.promote_types(dtype, torch.float32)
+        )  # at least float32 (float64 stays: the oracle's reference)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x32.to(dtype)
 

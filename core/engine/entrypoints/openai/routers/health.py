@@ -55,4 +55,6 @@ async def prometheus_metrics(serving: OpenAIServing = Depends(get_serving)):
             serving.metrics.update_from_stats(await asyncio.wait_for(engine.get_stats(), timeout=10))
         except Exception as exc:  # metrics must answer even if the engine cannot
             logger.warning("could not refresh engine stats: %s: %s", type(exc).__name__, exc)
+    if serving.shadow is not None:
+        serving.metrics.update_from_shadow(serving.shadow.report())
     return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
