@@ -181,6 +181,10 @@ class AsyncLLM:
         self._ensure_output_handler()
         await self.engine_core.call_utility_async("check_health")
 
+    def engine_core_pids(self) -> list[int]:
+        """The pids of the engine-core processes this front end started or joined, by DP rank."""
+        return list(self.engine_core.engines.pids[: self.engine_core.num_ranks])
+
     def health(self) -> dict:
         """Each DP rank's state (up, starting, down, given_up), core deaths, restarts and migrated requests."""
         report = self.engine_core.health()

@@ -53,6 +53,11 @@ class ModelInfo:
     tokenizer_path: Optional[str]
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype as config spells it: ``float32``, ``bfloat16``..."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def num_heads(self) -> int:
         return self.hf_config.num_attention_heads
 

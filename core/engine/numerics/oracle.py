@@ -66,7 +66,7 @@ def probed_run(model: str, overrides: dict[str, Any], prompts: list[list[int]]) 
     try:
         parts = inspect(llm)
         plugins = {kind: choice.name for kind, choice in parts.plugins.items() if hasattr(choice, "name")}
-        dtype = str(parts.model_runner.model_info.dtype).removeprefix("torch.")
+        dtype = parts.model_runner.model_info.dtype_name
         probes = ProbeSet(parts.model)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2, detokenize=False)
         run = ProbedRun(

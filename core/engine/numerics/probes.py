@@ -20,10 +20,7 @@ class Probe:
     name: str
     layer: int
     op: str
-    records: list[torch.Tensor] = field(default_factory=list)
-
-    def rows(self, call: int, num_tokens: int) -> torch.Tensor:
-        return self.records[call][:num_tokens]
+    records: list[torch.Tensor] = field(default_factory=list)  # one per forward call
 
 
 def _tensor_of(output: Any) -> torch.Tensor:

@@ -88,7 +88,6 @@ class ShadowComparison:
     logprob_delta: RunningMean = field(default_factory=RunningMean)  # shadow minus primary, the primary's token
     abs_logprob_delta: RunningMean = field(default_factory=RunningMean)
     delta_histogram: list[int] = field(default_factory=lambda: [0] * (len(LOGPROB_DELTA_BUCKETS) + 1))
-    abs_delta_sum: float = 0.0
     log_tpot_ratio: RunningMean = field(default_factory=RunningMean)  # log(shadow TPOT / primary TPOT), clean pairs
     contended_pairs: int = 0  # latency pairs left out: the primary and the shadow ran at the same time
     requests_compared: int = 0
@@ -116,7 +115,6 @@ class ShadowComparison:
             delta = theirs[token].logprob - mine[token].logprob
             self.logprob_delta.add(delta)
             self.abs_logprob_delta.add(abs(delta))
-            self.abs_delta_sum += abs(delta)
             self.delta_histogram[_bucket(abs(delta))] += 1
             if shadow_top[0] == primary_top[0]:
                 self.top1_agreements += 1

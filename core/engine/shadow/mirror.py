@@ -35,6 +35,7 @@ import msgspec
 from engine.config import VllmConfig
 from engine.errors import EngineDeadError
 from engine.frontend.input_processor import PreparedRequest
+from engine.model.model_info import ModelInfo
 from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.shadow.compare import ShadowComparison
@@ -57,6 +58,7 @@ class PrimaryTicket:
     last_token_time: Optional[float] = None
     num_tokens: int = 0
     final: Optional[RequestOutput] = None
+    trimmed: list[PositionLogprobs] = field(default_factory=list)  # what the client sees of the logprobs so far
 
     def observe(self, output: RequestOutput, now: float) -> None:
         count = len(output.outputs[0].token_ids) if output.outputs else 0
@@ -71,18 +73,14 @@ class PrimaryTicket:
         """The output as the client asked for it: the forced log-probabilities cut back to its own."""
         if not self.mirrored or (self.user_logprobs is not None and self.user_logprobs >= NUM_TOP):
             return output
-        completions = []
-        for completion in output.outputs:
-            logprobs = completion.logprobs
-            if logprobs is not None:
-                keep = self.user_logprobs
-                logprobs = (
-                    None
-                    if keep is None
-                    else [_trim(position, token, keep) for position, token in zip(logprobs, completion.token_ids)]
-                )
-            completions.append(dataclasses.replace(completion, logprobs=logprobs))
-        return dataclasses.replace(output, outputs=completions)
+        completion = output.outputs[0]  # a mirrored request has one sequence
+        logprobs = None
+        if completion.logprobs is not None and self.user_logprobs is not None:
+            keep = self.user_logprobs  # trim only the positions that are new since the last output
+            new = range(len(self.trimmed), len(completion.logprobs))
+            self.trimmed += [_trim(completion.logprobs[i], completion.token_ids[i], keep) for i in new]
+            logprobs = list(self.trimmed)
+        return dataclasses.replace(output, outputs=[dataclasses.replace(completion, logprobs=logprobs)])
 
 
 def _trim(position: PositionLogprobs, chosen: int, keep: int) -> PositionLogprobs:
@@ -107,17 +105,17 @@ class MirroredRequest:
     sampling_params: SamplingParams
     primary_tpot: Optional[float]
     contended: bool
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 class ShadowMirror:
     """The shadow of one server: its engine, the queue of mirrored requests, the comparison so far."""
 
-    def __init__(self, config: VllmConfig, primary_dtype: str, primary_max_model_len: int):
+    def __init__(self, config: VllmConfig, primary: ModelInfo):
+        """Call in the server's event loop (its queue and event belong to it)."""
         self.settings = config.shadow
         self.shadow_config = config.shadow_config()
-        self.primary_dtype = primary_dtype
-        self.max_model_len = primary_max_model_len
+        self.primary_dtype = primary.dtype_name
+        self.max_model_len = primary.max_model_len
         self.random = random.Random(config.shadow.seed)
         self.queue: asyncio.Queue[MirroredRequest] = asyncio.Queue(maxsize=config.shadow.max_queue)
         self.engine: Any = None  # AsyncLLM, once started
@@ -125,8 +123,7 @@ class ShadowMirror:
         self.reason: Optional[str] = None
         self.comparison: Optional[ShadowComparison] = None
         self.counts = {"seen": 0, "mirrored": 0, "dropped": 0, "not_eligible": 0, "completed": 0}
-        self.active: set[int] = set()  # ids of the primary requests in flight
-        self.tickets: dict[int, PrimaryTicket] = {}
+        self.tickets: dict[int, PrimaryTicket] = {}  # the primary requests in flight
         self.idle = asyncio.Event()
         self.idle.set()
         self.running: Optional[MirroredRequest] = None
@@ -160,7 +157,6 @@ class ShadowMirror:
         if self.running is not None:
             self.running.contended = True
         key = next(self._ids)
-        self.active.add(key)
         self.tickets[key] = ticket
         self.idle.clear()
         self._pause()
@@ -169,8 +165,7 @@ class ShadowMirror:
     def finish(self, key: int) -> None:
         """Called as a primary request ends (finished, failed or aborted): a finished mirrored one is queued."""
         ticket = self.tickets.pop(key)
-        self.active.discard(key)
-        if not self.active:
+        if not self.tickets:
             self.idle.set()
             self._resume()
         final = ticket.final
@@ -215,8 +210,7 @@ class ShadowMirror:
             logger.error("%s (the primary serves on)", self.reason)
             self._discard_queue()
             return
-        shadow_dtype = str(self.engine.model_info.dtype).removeprefix("torch.")
-        self.comparison = ShadowComparison(tolerance_for(self.primary_dtype, shadow_dtype))
+        self.comparison = ShadowComparison(tolerance_for(self.primary_dtype, self.engine.model_info.dtype_name))
         self.max_model_len = min(self.max_model_len, self.engine.model_info.max_model_len)
         self.state = "running"
         logger.info(
@@ -227,9 +221,9 @@ class ShadowMirror:
             item = await self.queue.get()
             if self.settings.schedule == "idle":
                 await self.idle.wait()
-            item.contended = item.contended or bool(self.active)
-            for key in self.active:
-                self.tickets[key].contended = True
+            item.contended = item.contended or bool(self.tickets)
+            for ticket in self.tickets.values():
+                ticket.contended = True
             self.running = item
             try:
                 await self._compare(item)
@@ -267,12 +261,13 @@ class ShadowMirror:
         )
         first = last = None
         produced = 0
-        async for output in self.engine.generate({"prompt_token_ids": item.prompt_token_ids}, timed, shadow_id):
-            now = time.monotonic()
-            produced_now = len(output.outputs[0].token_ids)
-            if produced_now > produced:
-                first = now if first is None else first
-                last, produced = now, produced_now
+        if len(item.prompt_token_ids) + count <= self.max_model_len:  # else the shadow's context cannot time it
+            async for output in self.engine.generate({"prompt_token_ids": item.prompt_token_ids}, timed, shadow_id):
+                now = time.monotonic()
+                produced_now = len(output.outputs[0].token_ids)
+                if produced_now > produced:
+                    first = now if first is None else first
+                    last, produced = now, produced_now
         # the whole sequence as a prompt: position j's distribution, teacher-forced on the primary's tokens
         room = max(0, self.max_model_len - 1 - len(item.prompt_token_ids))
         compared = min(count, room)
@@ -294,10 +289,6 @@ class ShadowMirror:
             contended = item.contended and self.settings.schedule == "idle"
             self.comparison.add_latency(item.primary_tpot, shadow_tpot, contended)
 
-    def _core_pids(self) -> list[int]:
-        engines = getattr(getattr(self.engine, "engine_core", None), "engines", None)
-        return list(getattr(engines, "pids", []))
-
     def _pause(self) -> None:
         """``schedule=idle``: stop the shadow's engine core (SIGSTOP) while the primary has requests in flight, so
         that not even a step of it competes with the primary for the cores (its executor's workers, if any, wait
@@ -313,7 +304,7 @@ class ShadowMirror:
 
     def _signal(self, sig: int) -> bool:
         sent = False
-        for pid in self._core_pids():
+        for pid in self.engine.engine_core_pids():
             try:
                 os.kill(pid, sig)
                 sent = True
@@ -344,7 +335,7 @@ class ShadowMirror:
             "state": self.state,
             "reason": self.reason,
             "primary_dtype": self.primary_dtype,
-            "shadow_dtype": str(self.engine.model_info.dtype).removeprefix("torch.") if self.engine else None,
+            "shadow_dtype": self.engine.model_info.dtype_name if self.engine else None,
             "requests": {**self.counts, "queued": self.queue.qsize()},
             "verdict": comparison["verdict"] if comparison else ("fails" if self.state == "failed" else "no data"),
             "speed_verdict": comparison["speed_verdict"] if comparison else "no data",

@@ -77,8 +77,7 @@ async def _load_engine(app: FastAPI, serving: OpenAIServing) -> None:
         return
     engine = serving.engine
     assert engine is not None  # loaded
-    if serving.shadow is not None:
-        serving.shadow.start()  # after the primary: the shadow never delays serving
+    serving.start_shadow()  # after the primary: the shadow never delays serving
     engine.watch()  # its output handler notices cores dying (and restarts them) even while no request runs
     while not serving.cancel_start.is_set():
         if engine.errored:

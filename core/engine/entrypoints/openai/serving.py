@@ -61,12 +61,15 @@ class OpenAIServing:
         from engine.frontend.async_llm import AsyncLLM
 
         self.engine = AsyncLLM(self.config, self.cancel_start, self.remote)
-        if self.config.shadow.enabled:
+        return self.engine
+
+    def start_shadow(self) -> None:
+        """Start the shadow (``shadow.overrides``) once the engine is up; in the event loop."""
+        if self.config.shadow.enabled and self.engine is not None:
             from engine.shadow.mirror import ShadowMirror
 
-            info = self.engine.model_info
-            self.shadow = ShadowMirror(self.config, str(info.dtype).removeprefix("torch."), info.max_model_len)
-        return self.engine
+            self.shadow = ShadowMirror(self.config, self.engine.model_info)
+            self.shadow.start()
 
     def get_engine(self):
         """The engine, or a 503 saying why there is none to use."""
