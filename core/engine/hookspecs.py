@@ -23,7 +23,7 @@ import pluggy
 _Spec = TypeVar("_Spec", bound=Callable[..., Any])
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.14"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.15"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
 # LayerKernels.capture_decode_step, 1.6 engine_spec_proposers, 1.7 engine_structured_output_backends and
@@ -33,7 +33,8 @@ CONTRACT_VERSION = "1.14"  # 1.1 added register_models, 1.2 engine_layer_kernels
 # 1.11 quantized experts (LayerKernels.pack_quantized_experts, FusedMoE.quant_w13 / quant_w2), 1.12
 # LayerKernels.serves_packed_weights (auto quantization keeps a GGUF file packed), 1.13 LayerKernels.add_lora (the
 # batched LoRA product) and engine_lora_resolvers, 1.14 LayerKernels.add_lora's out_slices (B's zero blocks in a merged
-# layer, for kernels that skip them) and CapturedDecodeStep.takes_lora_steps
+# layer, for kernels that skip them) and CapturedDecodeStep.takes_lora_steps, 1.15 engine_poolers and the encoder-only
+# attention type (AttentionBackend.supports_encoder_only, AttentionImpl.forward_encoder_only)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -56,6 +57,7 @@ class PluginKind:
     # False: chosen when first needed, not when the engine starts (an engine without any structured-output
     # backend installed serves every other request; a constrained one is refused with the reason)
     selected_at_start: bool = True
+    runner: Optional[str] = None  # chosen only for models of this runner ("pooling"); None: for every model
 
 
 KINDS: dict[str, PluginKind] = {}
@@ -73,6 +75,7 @@ def plugin_kind(
     returns_classes: bool = True,
     off_value: Optional[str] = None,
     selected_at_start: bool = True,
+    runner: Optional[str] = None,
 ) -> Callable[[_Spec], _Spec]:
     """Declare the kind whose hookspec this decorates (and mark the function as a hookspec)."""
 
@@ -89,6 +92,7 @@ def plugin_kind(
             returns_classes,
             off_value,
             selected_at_start,
+            runner,
         )
         return hookspec(function)
 
@@ -171,6 +175,31 @@ def engine_samplers() -> list[type]:
 
     Chosen by ``sampler.name``. Constructed once per worker as ``cls(vllm_config)``; called every step that
     samples as ``sampler(logits, metadata)`` with ``SamplingMetadata`` tensors (contract 1.3).
+    """
+
+
+@plugin_kind(
+    "pooler",
+    base="engine.interfaces.pooler:Pooler",
+    process="worker",
+    config_key="pooler.pooling_type",
+    flags=("pooling_type",),
+    runner="pooling",
+    construction="cls(vllm_config) once per worker of a pooling model; pool(PoolingBatch) every step in which "
+    "requests finish their prompt, with the hidden states of the positions its ``positions`` asks for",
+    choice_help="Pooler plugin (last, mean, cls...): how a pooling model turns a prompt's hidden states into one "
+    "vector; auto = the checkpoint's (sentence-transformers' pooling config; cls for encoders, last for decoders)",
+)
+def engine_poolers() -> list[type]:
+    """Return Pooler subclasses (``engine.interfaces.pooler``): pooling methods of pooling models (embeddings,
+    classifiers, rerankers).
+
+    Chosen by ``pooler.pooling_type``; ``auto`` takes the highest-priority available one whose ``preferred_for(ctx)``
+    holds (the built-in named by the checkpoint). Constructed once per worker of a pooling model as
+    ``cls(vllm_config)``; ``pool(batch)`` gets, for each request that finished its prompt in the step, the hidden
+    states of the positions the pooler's ``positions`` names (``last``, ``first`` or ``all``) and returns one vector
+    per request. The engine then applies the model's head: an embedding's Matryoshka truncation and normalisation,
+    or a classifier and its activation.
     """
 
 

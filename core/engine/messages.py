@@ -11,6 +11,7 @@ from typing import Any, Optional
 import msgspec
 
 from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class EngineCoreOutput(msgspec.Struct):
     new_logprobs: Optional[list[TokenLogprobs]] = None
     new_prompt_logprobs: Optional[list[TokenLogprobs]] = None
     error: Optional[str] = None  # with finish_reason "error": why this request failed
+    pooling_output: Optional[list[float]] = None  # a pooling request's result (with finish_reason "stop")
 
 
 class SchedulerStats(msgspec.Struct):
@@ -137,6 +139,8 @@ class EngineCoreRequest(msgspec.Struct):
     # them). The core takes it as a preempted request: it recomputes prompt + these, and samples on from them
     resumed_output_token_ids: list[int] = []
     lora_request: Optional[LoRARequest] = None  # the adapter this request runs with (None: the base model)
+    # a pooling request (embed, classify, score): it ends after its prompt with a pooled output, no token sampled
+    pooling_params: Optional[PoolingParams] = None
 
 
 class UtilityCall(msgspec.Struct):

@@ -44,3 +44,89 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     metrics: dict = field(default_factory=dict)
     error: Optional[str] = None  # set when a sequence ended with finish_reason "error": what went wrong
+    pooling_output: Optional[list[float]] = None  # a pooling request's result, once finished
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: the embedding, the class probabilities or the score, as a list."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode`` / ``AsyncLLM.encode`` return for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    error: Optional[str] = None
+
+    @classmethod
+    def from_request_output(cls, output: RequestOutput) -> PoolingRequestOutput:
+        return cls(
+            output.request_id,
+            output.prompt_token_ids,
+            PoolingOutput(list(output.pooling_output or [])),
+            output.finished,
+            output.error,
+        )
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.outputs.data), output.finished)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(
+            output.request_id, output.prompt_token_ids, ClassificationOutput(output.outputs.data), output.finished
+        )
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

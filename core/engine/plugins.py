@@ -32,6 +32,7 @@ BUILTIN_MODULES = (
     "engine.kv_cache.coordinators",
     "engine.sample.default_sampler",
     "engine.sample.builtin_logits_processors",
+    "engine.pooling.poolers",
     "engine.model.layers.native_kernels",
     "engine.quantization.methods",
     "engine.spec_decode.ngram",

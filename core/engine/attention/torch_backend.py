@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,7 +22,7 @@ from engine.attention.torch_metadata import (
     split_decodes,
 )
 from engine.hookspecs import hookimpl
-from engine.interfaces.attention import AttentionBackend, AttentionImpl
+from engine.interfaces.attention import AttentionBackend, AttentionImpl, CommonAttentionMetadata
 
 __all__ = [
     "PrefillChunk",
@@ -85,6 +86,26 @@ class TorchAttentionImpl(AttentionImpl):
         self.attend_prefills(q, k, v, key_cache, value_cache, attn_metadata.prefills, output)
         return output.view(num_tokens, self.num_heads * head)
 
+    def forward_encoder_only(self, query, key, value, common: CommonAttentionMetadata) -> torch.Tensor:
+        """Each request's tokens attend to all of its tokens (no mask, no cache): one SDPA call per run of requests
+        of one length, stacked."""
+        num_tokens = common.num_actual_tokens
+        if common.num_computed_tokens_np.any():
+            raise RuntimeError("encoder-only attention needs every prompt whole in its step (no chunked prefill)")
+        q, k, v = self.split_heads(query, key, value, num_tokens)
+        output = torch.empty_like(q)
+        starts = common.query_start_loc_np
+        lengths = np.diff(starts)
+        for length in np.unique(lengths).tolist():
+            rows = np.nonzero(lengths == length)[0]
+            index = torch.from_numpy((starts[rows][:, None] + np.arange(length)[None, :]).reshape(-1))
+            shape = (len(rows), length)
+            qs = q[index].view(*shape, self.num_heads, self.head_size).transpose(1, 2)
+            ks = k[index].view(*shape, self.num_kv_heads, self.head_size).transpose(1, 2)
+            vs = v[index].view(*shape, self.num_kv_heads, self.head_size).transpose(1, 2)
+            output[index] = self._attend(qs, ks, vs, None).transpose(1, 2).reshape(-1, self.num_heads, self.head_size)
+        return output.view(num_tokens, self.num_heads * self.head_size)
+
     def gather_context(self, cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
         """[Hkv, seq_len, D]: one request's first ``seq_len`` keys (or values) from its blocks."""
         return cache[block_ids].view(-1, self.num_kv_heads, self.head_size)[:seq_len].transpose(0, 1)
@@ -112,6 +133,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     priority = 0
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the numerics oracle
+    supports_encoder_only = True
 
     @staticmethod
     def get_impl_cls():

@@ -35,7 +35,10 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     requested = {
         kind.name: vllm_config.get_key(kind.config_key)
         for kind in KINDS.values()
-        if kind.config_key and kind.selected_at_start and vllm_config.get_key(kind.config_key) != kind.off_value
+        if kind.config_key
+        and kind.selected_at_start
+        and kind.runner in (None, model_info.runner_type)
+        and vllm_config.get_key(kind.config_key) != kind.off_value
     }
     chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
     for kind, impl in chosen.items():
@@ -86,6 +89,34 @@ def check_hybrid_model(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
         )
 
 
+def check_pooling_model(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
+    """A pooling model: prefix caching is off (a pooled prompt is read whole, once), an encoder's prompts run whole
+    (no chunked prefill: every token attends to every other); speculative decoding and LoRA are refused."""
+    pooling = model_info.pooling
+    if pooling is None:
+        return
+    if vllm_config.cache.enable_prefix_caching:
+        logger.info("prefix caching is off for the pooling model %s", model_info.architecture)
+        vllm_config.cache.enable_prefix_caching = False
+    for key, value, off in (
+        ("speculative.method", vllm_config.speculative.method, "none"),
+        ("lora.enable_lora", vllm_config.lora.enable_lora, False),
+    ):
+        if value != off:
+            raise ConfigError(f"{key}={value!r}: {model_info.architecture} is a pooling model; set {key}={off!r}")
+    if pooling.encoder_only:
+        scheduler = vllm_config.scheduler
+        if scheduler.max_num_batched_tokens < model_info.max_model_len:
+            raise ConfigError(
+                f"scheduler.max_num_batched_tokens ({scheduler.max_num_batched_tokens}) is below the context length "
+                f"({model_info.max_model_len}) of {model_info.architecture}, an encoder whose prompts run whole in "
+                "one step: raise it or lower model.max_model_len"
+            )
+        if scheduler.enable_chunked_prefill:
+            logger.info("chunked prefill is off for the encoder %s: its prompts run whole", model_info.architecture)
+            scheduler.enable_chunked_prefill = False
+
+
 class EngineCore:
     """Owns the scheduler and the executor; one ``step`` is one forward pass of the batch.
 
@@ -98,8 +129,9 @@ class EngineCore:
     def __init__(self, vllm_config: VllmConfig, model_info: Optional[ModelInfo] = None):
         start = time.perf_counter()
         self.vllm_config = vllm_config
-        self.model_info = model_info or resolve_model(vllm_config.model)
+        self.model_info = model_info or resolve_model(vllm_config.model, vllm_config.pooler)
         check_hybrid_model(vllm_config, self.model_info)
+        check_pooling_model(vllm_config, self.model_info)
         self.plugins = select_plugins(vllm_config, self.model_info)
         check_pipeline_parallel(vllm_config, self.model_info)
         choices = {kind: impl.name for kind, impl in self.plugins.items()}
@@ -160,6 +192,7 @@ class EngineCore:
                     request.arrival_time,
                     request.resumed_output_token_ids,
                     request.lora_request,
+                    request.pooling_params,
                 )
             )
         except Exception as exc:
@@ -178,6 +211,17 @@ class EngineCore:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None and len(request.resumed_output_token_ids) >= max_tokens:
                 raise ValueError(f"a resumed request already has its max_tokens ({max_tokens}) tokens")
+        pooling = self.model_info.pooling
+        if (request.pooling_params is None) != (pooling is None):
+            raise ValueError(
+                f"a {'generation' if request.pooling_params is None else 'pooling'} request cannot run on "
+                f"{self.model_info.architecture}, a {self.model_info.runner_type} model"
+            )
+        if request.pooling_params is not None:
+            assert pooling is not None
+            request.pooling_params.validate_for_model(pooling.tasks, pooling.embedding_size, pooling.matryoshka)
+            if request.resumed_output_token_ids or request.sampling_params.max_tokens != 1:
+                raise ValueError("a pooling request ends with its prompt: max_tokens 1 and no resumed tokens")
         if request.lora_request is not None and not self.vllm_config.lora.enable_lora:
             raise ValueError(
                 f"request names LoRA adapter {request.lora_request.lora_name!r} but LoRA is off (lora.enable_lora)"

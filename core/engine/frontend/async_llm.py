@@ -14,7 +14,8 @@ from engine.frontend.core_client import AsyncMPClient, RemoteEngines
 from engine.frontend.input_processor import PreparedRequest, PromptType, build_front_end
 from engine.lora_request import LoRARequest
 from engine.messages import SchedulerStats
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,32 @@ class AsyncLLM:
         return self.input_processor.prepare(
             request_id, prompt, sampling_params, check_context_length=check_context_length, lora_request=lora_request
         )
+
+    def prepare_pooling(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: Optional[str] = None,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> PreparedRequest:
+        """Validate and tokenize a pooling request's prompt for ``encode`` (InvalidParameterError naming what is
+        wrong, e.g. a pooling request to a generative model)."""
+        request_id = request_id if request_id is not None else f"pool-{next(self._ids)}"
+        return self.input_processor.prepare_pooling(request_id, prompt, pooling_params, truncate_prompt_tokens)
+
+    async def encode(
+        self,
+        prompt: Union[PromptType, PreparedRequest],
+        pooling_params: Optional[PoolingParams] = None,
+        request_id: Optional[str] = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Yield the pooling request's one output (embedding, probabilities, score) once its prompt has run; errors
+        as ``generate``."""
+        if not isinstance(prompt, PreparedRequest):
+            prompt = self.prepare_pooling(prompt, pooling_params or PoolingParams(task="encode"), request_id)
+        async for output in self.generate(prompt):
+            if output.finished:
+                yield PoolingRequestOutput.from_request_output(output)
 
     def decode_token(self, token_id: int) -> Optional[str]:
         """One token's text, as logprobs show it (cached)."""

@@ -15,8 +15,9 @@ from engine.lora.adapter import LoRAAdapterError
 from engine.lora.checker import LoRAAdapterChecker
 from engine.lora_request import LoRARequest
 from engine.messages import EngineCoreRequest
-from engine.model.model_info import ModelInfo, resolve_model
+from engine.model.model_info import TOKEN_TYPE_SHIFT, ModelInfo, resolve_model
 from engine.model.tokenizer import get_tokenizer
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output.validation import StructuredOutputsValidator
 
@@ -79,6 +80,63 @@ class InputProcessor:
                 "max_tokens",
             )
 
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(the prompt's text when it has one, its token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return None, list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def pair_token_ids(self, query: str, document: str) -> list[int]:
+        """A cross-encoder's input for a (query, document) pair, as its tokenizer joins them; an encoder's second
+        segment carries token type 1 (packed above ``TOKEN_TYPE_SHIFT``)."""
+        encoded = self.tokenizer(query, document, return_token_type_ids=True)
+        token_ids = list(encoded["input_ids"])
+        types = encoded.get("token_type_ids")
+        if types is not None and self.model_info.is_encoder_only:
+            token_ids = [t | (int(kind) << TOKEN_TYPE_SHIFT) for t, kind in zip(token_ids, types)]
+        return token_ids
+
+    def prepare_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> PreparedRequest:
+        """Validate and tokenize one prompt of a pooling request (InvalidParameterError naming what is wrong).
+        ``truncate_prompt_tokens``: keep the first k tokens (-1: the model's context length)."""
+        pooling = self.model_info.pooling
+        if pooling is None:
+            raise InvalidParameterError(
+                f"{self.model_info.architecture} is a generative model: it serves completions and chat, not "
+                f"{params.task} (serve a pooling model, or set model.runner=pooling)",
+                "model",
+            )
+        params.validate_for_model(pooling.tasks, pooling.embedding_size, pooling.matryoshka)
+        text, token_ids = self.tokenize(prompt)
+        if truncate_prompt_tokens is not None:
+            limit = self.model_info.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if limit < 1:
+                raise InvalidParameterError(
+                    f"truncate_prompt_tokens must be -1 or a positive integer, got {truncate_prompt_tokens}",
+                    "truncate_prompt_tokens",
+                )
+            token_ids = token_ids[:limit]
+        try:
+            self.model_info.check_prompt_token_ids(token_ids)
+        except ValueError as exc:
+            raise InvalidParameterError(str(exc), "input") from None
+        # max_tokens 1 holds the request to its prompt: the scheduler never plans a step past it
+        sampling = SamplingParams(max_tokens=1, detokenize=False)
+        request = EngineCoreRequest(request_id, token_ids, sampling, None, time.monotonic(), pooling_params=params)
+        return PreparedRequest(request_id, text, [request])
+
     def prepare(
         self,
         request_id: str,
@@ -91,20 +149,16 @@ class InputProcessor:
         """Validate and tokenize one prompt. Bad input raises ValueError naming what is wrong;
         ``check_context_length``: also refuse a prompt whose ``max_tokens`` would overrun the context (the server
         answers 400, as vLLM does; offline generation stops at the context length instead)."""
-        text: Optional[str] = None
+        if self.model_info.pooling is not None:
+            raise InvalidParameterError(
+                f"{self.model_info.architecture} is a pooling model (tasks {list(self.model_info.pooling.tasks)}): it "
+                "does not generate text; use embeddings, score, rerank, classify or pooling (LLM.embed / "
+                "LLM.score / LLM.classify / LLM.encode)",
+                "model",
+            )
+        text, token_ids = self.tokenize(prompt)
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)
-            if "prompt_token_ids" in prompt:
-                token_ids = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                text = prompt["prompt"]
-                token_ids = self.tokenizer.encode(text)
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
         self.model_info.check_prompt_token_ids(token_ids)
         params.validate_for_model(self.model_info.vocab_size, self.max_logprobs)
         if params.structured_outputs is not None:
@@ -147,7 +201,7 @@ class InputProcessor:
 
 def build_front_end(vllm_config: VllmConfig) -> tuple[ModelInfo, Any, InputProcessor, OutputProcessor]:
     """(model info, tokenizer, InputProcessor, OutputProcessor) for LLMEngine and AsyncLLM alike."""
-    model_info = resolve_model(vllm_config.model)
+    model_info = resolve_model(vllm_config.model, vllm_config.pooler)
     tokenizer = get_tokenizer(model_info)
     validator = StructuredOutputsValidator(vllm_config, model_info)
     return (

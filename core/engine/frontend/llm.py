@@ -12,7 +12,16 @@ from engine.config import VllmConfig
 from engine.frontend.input_processor import PromptType
 from engine.frontend.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
-from engine.outputs import RequestOutput
+from engine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from engine.pooling.scoring import TextOrTexts, cosine_similarity, score_pairs, scores_jointly
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -99,6 +108,100 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    # ---- pooling models -----------------------------------------------------------------------
+    def encode(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> list[PoolingRequestOutput]:
+        """Run a pooling model on every prompt (``pooling_params.task``: embed, classify, score or encode);
+        outputs in prompt order."""
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(task="encode")
+        params = [pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams) else list(pooling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        request_ids: list[str] = []
+        try:
+            for prompt, param in zip(prompts, params):
+                request_ids.append(self.llm_engine.add_pooling_request(prompt, param, None, truncate_prompt_tokens))
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        outputs = self._run_engine(request_ids, use_tqdm)
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed in the engine: {failed[0].error}")
+        return [PoolingRequestOutput.from_request_output(o) for o in outputs]
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (an embedding model: ``model.runner`` pooling, ``embed`` task)."""
+        params = pooling_params or PoolingParams(task="embed")
+        if params.task != "embed":
+            raise ValueError(f"LLM.embed takes PoolingParams with task 'embed', got {params.task!r}")
+        outputs = self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def classify(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (a classifier: ``*ForSequenceClassification`` or ``convert=classify``)."""
+        params = pooling_params or PoolingParams(task="classify")
+        if params.task != "classify":
+            raise ValueError(f"LLM.classify takes PoolingParams with task 'classify', got {params.task!r}")
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+
+    def score(
+        self,
+        data_1: TextOrTexts,
+        data_2: TextOrTexts,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of each (data_1, data_2) pair (one data_1 against every data_2, or pairwise): a cross-encoder
+        reads each pair jointly; an embedding model scores the cosine similarity of the two embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        if scores_jointly(self.llm_engine.model_info):
+            processor = self.llm_engine.input_processor
+            prompts: list[PromptType] = [
+                {"prompt_token_ids": processor.pair_token_ids(query, document)} for query, document in pairs
+            ]
+            outputs = self.encode(prompts, PoolingParams(task="score"), use_tqdm, truncate_prompt_tokens)
+            return [
+                ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.data[0]), o.finished)
+                for o in outputs
+            ]
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        embedded = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)))
+        return [
+            ScoringRequestOutput(
+                f"score-{index}",
+                embedded[query].prompt_token_ids + embedded[document].prompt_token_ids,
+                ScoringOutput(
+                    cosine_similarity(embedded[query].outputs.embedding, embedded[document].outputs.embedding)
+                ),
+            )
+            for index, (query, document) in enumerate(pairs)
+        ]
+
+    @staticmethod
+    def _prompt_list(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -13,6 +13,7 @@ from engine.lifetime import freeze_gc_heap, release_gc_heap, use_thread_lock_for
 from engine.lora_request import LoRARequest
 from engine.messages import SchedulerStats
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,20 @@ class LLMEngine:
     ) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         prepared = self.input_processor.prepare(request_id, prompt, params, lora_request=lora_request)
+        self.output_processor.add_request(request_id, prepared.prompt_text, prepared.requests)
+        for request in prepared.requests:
+            self.engine_core.add_request(request)
+        return request_id
+
+    def add_pooling_request(
+        self,
+        prompt: PromptType,
+        params: PoolingParams,
+        request_id: Optional[str] = None,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        prepared = self.input_processor.prepare_pooling(request_id, prompt, params, truncate_prompt_tokens)
         self.output_processor.add_request(request_id, prepared.prompt_text, prepared.requests)
         for request in prepared.requests:
             self.engine_core.add_request(request)

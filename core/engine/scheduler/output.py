@@ -8,6 +8,7 @@ import msgspec
 
 from engine.lora_request import LoRARequest
 from engine.messages import TokenLogprobs
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData(msgspec.Struct):
     num_computed_tokens: int
     eos_token_id: Optional[int]
     lora_request: Optional[LoRARequest] = None
+    pooling_params: Optional[PoolingParams] = None
 
 
 class CachedRequestData(msgspec.Struct):
@@ -65,3 +67,4 @@ class ModelRunnerOutput(msgspec.Struct):
     logprobs: dict[str, list[TokenLogprobs]] = {}  # per sampled token, for requests asking for logprobs
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # prompt positions scored this step
     spec_token_ids: dict[str, list[int]] = {}  # drafts proposed for the next step, by request
+    pooler_output: dict[str, list[float]] = {}  # pooling requests that finished their prompt: their result

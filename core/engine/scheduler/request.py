@@ -8,6 +8,7 @@ from typing import Optional
 
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
         arrival_time: Optional[float] = None,
         resumed_output_token_ids: Optional[list[int]] = None,
         lora_request: Optional[LoRARequest] = None,
+        pooling_params: Optional[PoolingParams] = None,
     ):
         """``resumed_output_token_ids``: tokens this request produced on another engine core (a DP rank that
         died); it starts here as if preempted after them (prompt and these recomputed, sampling goes on)."""
@@ -58,6 +60,7 @@ class Request:
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.lora_request = lora_request
+        self.pooling_params = pooling_params  # a pooling request: it ends with its prompt (max_tokens 1 holds it)
         self.lora_key = lora_request.prefix_key if lora_request is not None else None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING

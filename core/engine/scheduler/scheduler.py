@@ -280,6 +280,7 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     eos_token_id=request.eos_token_id,
                     lora_request=request.lora_request,
+                    pooling_params=request.pooling_params,
                 )
             )
         self.waiting.extendleft(reversed(skipped))
@@ -398,6 +399,11 @@ class Scheduler:
         outputs = []
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
+            pooled = runner_output.pooler_output.get(req_id)
+            if pooled is not None:
+                if request is not None:
+                    outputs.append(self._finish_pooling(request, pooled))
+                continue
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if request is None or not (token_ids or prompt_logprobs):
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
@@ -443,6 +449,20 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _finish_pooling(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """A pooling request has run its whole prompt: it ends here, its blocks back in the pool."""
+        request.num_output_placeholders = 0
+        request.status = RequestStatus.FINISHED_STOPPED
+        (self.running if request in self.running else self.waiting).remove(request)
+        self._free_request(request)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            request.status.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooling_output=pooled,
+        )
 
     @staticmethod
     def _advance_grammar(request: Request, grammar: StructuredOutputGrammar, token_id: int) -> Optional[str]:

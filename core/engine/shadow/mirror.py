@@ -139,7 +139,8 @@ class ShadowMirror:
         shadow that can take it), and the request the primary runs."""
         self.counts["seen"] += 1
         params = prepared.requests[0].sampling_params
-        eligible = len(prepared.requests) == 1 and prepared.requests[0].lora_request is None
+        request = prepared.requests[0]
+        eligible = len(prepared.requests) == 1 and request.lora_request is None and request.pooling_params is None
         mirrored = False
         if self.state in ("starting", "running") and self.random.random() < self.settings.fraction:
             mirrored = eligible

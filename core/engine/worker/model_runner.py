@@ -18,6 +18,7 @@ from engine.forward_context import set_forward_context
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUnsupported, LayerKernels
 from engine.interfaces.logits_processor import LogitsBatch
+from engine.interfaces.pooler import Pooler, PoolingBatch
 from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.interfaces.sampler import SamplingMetadata
 from engine.kv_cache.spec import (
@@ -35,6 +36,8 @@ from engine.model.layers.mamba_state import MambaLayer, MambaMetadataBuilder, Ma
 from engine.model.layers.moe import expert_load
 from engine.model.loader import load_model
 from engine.model.model_info import ModelInfo
+from engine.pooling.head import PoolingHead
+from engine.pooling_params import PoolingParams
 from engine.sample.logprobs import TokenLogprobs, gather_logprobs
 from engine.sample.ops import sampling_probs
 from engine.sampling_params import GREEDY_EPS
@@ -58,6 +61,7 @@ class StepInputs:
     sampling_rows: np.ndarray  # rows that produce a token this step (their prompt is complete)
     num_drafts: np.ndarray  # [sampling rows] speculative drafts each verifies
     logits_indices: torch.Tensor  # [positions to sample] token index of each, 1 + drafts per sampling row
+    common: Optional[CommonAttentionMetadata] = None  # the first KV-cache group's (encoder-only attention reads it)
 
 
 class ModelRunner:
@@ -74,7 +78,9 @@ class ModelRunner:
         layer_kernels: Optional[LayerKernels] = None,
         quantization: Any = None,
         proposer: Optional[Proposer] = None,
+        pooler: Optional[Pooler] = None,
     ):
+        """``pooler``: a pooling model's pooling method (then nothing is sampled: requests end with their prompt)."""
         self.vllm_config = vllm_config
         self.model_info = model_info
         self.device = device
@@ -84,6 +90,10 @@ class ModelRunner:
         self.layer_kernels = layer_kernels
         self.quantization = quantization
         self.proposer = proposer  # speculative decoding; only rank 0's proposes
+        self.pooler = pooler
+        self.pooling_head: Optional[PoolingHead] = None  # made with the model
+        self.pooling_params: dict[str, PoolingParams] = {}  # the pooling requests this worker holds
+        self.pooling_parts: dict[str, list[torch.Tensor]] = {}  # hidden states of a prompt's earlier chunks
         self.num_speculative_tokens = vllm_config.speculative.num_speculative_tokens
         self.block_size = vllm_config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
@@ -131,6 +141,9 @@ class ModelRunner:
                 self.mamba_layers[module.layer_name] = module
         if self.proposer is not None:
             self.proposer.load(self)
+        if self.pooler is not None:
+            assert self.model_info.pooling is not None
+            self.pooling_head = PoolingHead(self.model, self.model_info.pooling, self.vllm_config.pooler)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE models: tokens routed to each expert since start, per MoE layer of this rank (empty when dense)."""
@@ -223,8 +236,8 @@ class ModelRunner:
 
     def _capture_decode_step(self) -> Optional[CapturedDecodeStep]:
         """The layer kernels' capture of the pure-decode step over the caches just allocated (None: eager)."""
-        if self.vllm_config.model.enforce_eager or self.layer_kernels is None:
-            return None
+        if self.vllm_config.model.enforce_eager or self.layer_kernels is None or self.pooler is not None:
+            return None  # (a pooling model never decodes)
         if get_pp_group().world_size > 1:
             logger.info("decode step not captured (it runs eagerly): a pipeline stage runs a slice of the model")
             return None
@@ -266,7 +279,7 @@ class ModelRunner:
                     model.make_empty_intermediate_tensors(len(positions), self.model_info.dtype, self.device)
                 )
             )
-            with set_forward_context(metadata):
+            with set_forward_context(metadata, inputs.common):
                 return model(input_ids, positions, intermediate)
         step = self.decode_step if use_capture else None
         if (
@@ -278,7 +291,7 @@ class ModelRunner:
             if hidden_states is not None:
                 self.num_captured_steps += 1
                 return hidden_states
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, inputs.common):
             return model(input_ids, positions)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -289,6 +302,8 @@ class ModelRunner:
             self.proposer.finished([r for r in scheduler_output.finished_req_ids if r in self.requests])
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.pooling_params.pop(req_id, None)
+            self.pooling_parts.pop(req_id, None)
             batch.remove_request(req_id)
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in batch.req_id_to_index.keys() - scheduled.keys():  # running, but not in this step
@@ -307,6 +322,9 @@ class ModelRunner:
                 [p.requested_by(params) for p in self.logits_processors],
                 new.lora_request.lora_int_id if new.lora_request is not None else 0,
             )
+            self.pooling_parts.pop(new.req_id, None)  # a preempted prompt runs again from its start
+            if new.pooling_params is not None:
+                self.pooling_params[new.req_id] = new.pooling_params
             if new.lora_request is not None:
                 if self.lora_manager is None:
                     raise ValueError(f"request {new.req_id} names a LoRA adapter but this worker has LoRA off")
@@ -355,6 +373,7 @@ class ModelRunner:
             num_computed_tokens=torch.from_numpy(computed.astype(np.int32)),
         )
         metadata = []
+        first_common: Optional[CommonAttentionMetadata] = None
         for builder, table in zip(self.builders, batch.block_tables):
             common = CommonAttentionMetadata(
                 **common_tensors,
@@ -367,6 +386,7 @@ class ModelRunner:
                 num_computed_tokens_np=computed.copy(),
             )
             metadata.append(builder.build(common))
+            first_common = first_common or common
         # a row with drafts samples at its last known token and at each draft: 1 + drafts positions
         spec = scheduler_output.scheduled_spec_decode_tokens
         num_drafts = (
@@ -389,6 +409,7 @@ class ModelRunner:
             sampling_rows,
             num_drafts,
             torch.from_numpy(logits_indices),
+            first_common,
         )
 
     def _sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray] = None) -> SamplingMetadata:
@@ -502,6 +523,10 @@ class ModelRunner:
             get_pp_group().send_tensor_dict(hidden_states)
             batch.num_computed_tokens[: len(req_ids)] += inputs.num_scheduled
             return None
+        if self.pooler is not None:
+            pooled = self._pool(inputs, hidden_states)
+            batch.num_computed_tokens[: len(req_ids)] += inputs.num_scheduled
+            return ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if (batch.num_prompt_logprobs[: len(req_ids)] >= 0).any():
             prompt_logprobs = self._prompt_logprobs(hidden_states, inputs.query_start_loc)
@@ -557,6 +582,39 @@ class ModelRunner:
                 sampled_lists[row] = tokens
         spec_token_ids = self._propose(sampling_rows) if self.proposer is not None else {}
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, spec_token_ids)
+
+    def _pool(self, inputs: StepInputs, hidden_states: torch.Tensor) -> dict[str, list[float]]:
+        """Pooling requests: keep the hidden states the pooler reads from each prompt chunk; for every request whose
+        prompt ends in this step, pool them and apply the head."""
+        assert self.pooler is not None and self.pooling_head is not None
+        batch = self.batch
+        wanted = self.pooler.positions
+        finished: list[tuple[str, int, list[torch.Tensor]]] = []
+        for row, req_id in enumerate(inputs.req_ids):
+            start, count = int(batch.num_computed_tokens[row]), int(inputs.num_scheduled[row])
+            first = int(inputs.query_start_loc[row])
+            prompt_len = int(batch.num_prompt_tokens[row])
+            parts = self.pooling_parts.setdefault(req_id, [])
+            ends_here = start + count >= prompt_len
+            keep = None
+            if wanted == "all":
+                keep = hidden_states[first : first + count]
+            elif wanted == "first" and start == 0:
+                keep = hidden_states[first : first + 1]
+            if keep is not None:
+                parts.append(keep if ends_here else keep.clone())  # a later step may reuse this step's buffer
+            if not ends_here:
+                continue
+            if wanted == "last":
+                parts.append(hidden_states[first + count - 1 : first + count])
+            finished.append((req_id, prompt_len, self.pooling_parts.pop(req_id)))
+        if not finished:
+            return {}
+        states = [parts[0] if len(parts) == 1 else torch.cat(parts) for _, _, parts in finished]
+        req_ids = [req_id for req_id, _, _ in finished]
+        pooled = self.pooler.pool(PoolingBatch(req_ids, states, [length for _, length, _ in finished]))
+        results = self.pooling_head(pooled, [self.pooling_params[req_id] for req_id in req_ids])
+        return dict(zip(req_ids, results))
 
     def _verify_drafts(
         self,

@@ -68,7 +68,7 @@ class Worker:
         )
 
     def load_model(self) -> None:
-        info = resolve_model(self.vllm_config.model)
+        info = resolve_model(self.vllm_config.model, self.vllm_config.pooler)
         plugins = get_plugin_manager()
         ctx = SelectionContext(self.vllm_config, info)
         attention = plugins.select("attention", self.plugin_choices["attention"], ctx)
@@ -78,6 +78,11 @@ class Worker:
         processors = [impl.create(self.vllm_config) for impl in plugins.active("logits_processor", ctx)]
         proposer_name = self.plugin_choices.get("proposer")  # absent: speculative decoding is off
         proposer = plugins.select("proposer", proposer_name, ctx).create(self.vllm_config) if proposer_name else None
+        pooler = (
+            plugins.select("pooler", self.plugin_choices["pooler"], ctx).create(self.vllm_config)
+            if info.pooling is not None
+            else None
+        )
         layer_kernels = kernels.cls()
         layer_kernels.configure(self.vllm_config)
         self.model_runner = ModelRunner(
@@ -90,6 +95,7 @@ class Worker:
             layer_kernels,
             quantization.create(),
             proposer,
+            pooler,
         )
         self.model_runner.load_model()
 

@@ -176,6 +176,7 @@ class CpuAttentionBackend(AttentionBackend):
     priority = 10
     supported_devices = ("cpu",)
     batch_invariant_unsupported_reason = None  # every token through the decode kernel: one pass per (row, KV head)
+    supports_encoder_only = True  # TorchAttentionImpl's: SDPA over each run of equal-length prompts
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -82,6 +82,19 @@ class OpenAIServing:
             raise APIError(f"the engine is dead: {engine.dead_error}", 503, err_type="EngineDeadError")
         return engine
 
+    def generating_engine(self):
+        """The engine of a generation endpoint: a 400 when the served model is a pooling model."""
+        engine = self.get_engine()
+        pooling = engine.model_info.pooling
+        if pooling is not None:
+            raise APIError(
+                f"{engine.model_info.architecture} is a pooling model (tasks {list(pooling.tasks)}): it does not "
+                "generate text; use /v1/embeddings, /v1/score, /rerank, /classify or /pooling",
+                400,
+                "model",
+            )
+        return engine
+
     def check_model(self, name: Optional[str]) -> None:
         """404 unless ``name`` is the served model or one of its loaded LoRA adapters (or None)."""
         if not self.adapters.known(name):

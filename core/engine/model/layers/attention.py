@@ -23,9 +23,13 @@ class Attention(nn.Module):
         num_kv_heads: int,
         sliding_window: Optional[int] = None,
         logits_soft_cap: Optional[float] = None,
+        attn_type: str = "decoder",
     ):
+        """``attn_type``: ``decoder`` (causal, over the paged KV cache) or ``encoder_only`` (bidirectional within
+        each request's step, no cache: BERT-like pooling models)."""
         super().__init__()
         self.layer_name = layer_name
+        self.attn_type = attn_type
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -49,8 +53,10 @@ class Attention(nn.Module):
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        metadata = get_forward_context().attn_metadata[self.kv_cache_group]
-        return self.impl.forward(query, key, value, self.kv_cache, metadata)
+        context = get_forward_context()
+        if self.attn_type == "encoder_only":
+            return self.impl.forward_encoder_only(query, key, value, context.common)
+        return self.impl.forward(query, key, value, self.kv_cache, context.attn_metadata[self.kv_cache_group])
 
 
 class MLAAttention(nn.Module):

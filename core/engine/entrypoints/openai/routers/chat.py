@@ -47,7 +47,7 @@ def chat_logprobs(completion, num_top: int, start: int = 0) -> Optional[dict]:
 async def chat_completions(
     body: ChatCompletionRequest, http_request: Request, serving: OpenAIServing = Depends(get_serving)
 ):
-    engine = serving.get_engine()
+    engine = serving.generating_engine()
     lora_request = await serving.lookup_model(engine, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")

@@ -54,7 +54,7 @@ def choice_logprobs(engine, completion, num_top: Optional[int], start: int = 0) 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http_request: Request, serving: OpenAIServing = Depends(get_serving)):
-    engine = serving.get_engine()
+    engine = serving.generating_engine()
     lora_request = await serving.lookup_model(engine, body.model)
     if body.echo or body.suffix:
         raise APIError("'echo' and 'suffix' are not supported", 400, "echo" if body.echo else "suffix")
