@@ -290,3 +290,15 @@ def test_pooling_server_answers_bad_requests_with_400(embedding_server, path, bo
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert httpx.post(embedding_server.url + "/v1/embeddings", json={"input": "up"}, timeout=30).status_code == 200
+
+
+def test_pooler_settings_from_flags_and_text():
+    from engine.config import ConfigError, VllmConfig
+
+    for text in ('["no", "yes"]', "no,yes"):
+        assert VllmConfig.load(classifier_from_token=text).pooler.classifier_from_token == ["no", "yes"]
+    assert VllmConfig.load(pooling_type="MEAN").pooler.pooling_type == "mean"
+    with pytest.raises(ConfigError, match="classifier_from_token"):
+        VllmConfig.load(classifier_from_token="a,b,c")
+    with pytest.raises(ConfigError, match="model.runner"):
+        VllmConfig.load(runner="embed")

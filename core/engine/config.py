@@ -337,6 +337,19 @@ class PoolerConfig(_Section):
     def _lower(cls, value: str) -> str:
         return value.lower()  # vLLM spells them LAST / MEAN / CLS
 
+    @field_validator("classifier_from_token", mode="before")
+    @classmethod
+    def _token_text(cls, value: Any) -> Any:
+        """The CLI's text: a JSON list (``'["no", "yes"]'``) or comma-separated tokens."""
+        if isinstance(value, str):
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError:
+                return [token.strip() for token in value.split(",") if token.strip()]
+        return value
+
     @field_validator("classifier_from_token")
     @classmethod
     def _tokens(cls, value: Optional[list[str]]) -> Optional[list[str]]:

@@ -64,7 +64,7 @@ class ModelInfo:
 
     @property
     def is_encoder_only(self) -> bool:
-        """Bidirectional attention (BERT, XLM-RoBERTa): a prompt runs whole in one step and keeps no KV cache."""
+        """Bidirectional attention (BERT, XLM-RoBERTa): a prompt runs whole in one step and writes no KV cache."""
         return self.pooling is not None and self.pooling.encoder_only
 
     @property
@@ -101,7 +101,7 @@ class ModelInfo:
 
     def check_prompt_token_ids(self, token_ids: list) -> None:
         """ValueError unless the prompt is 1 to max_model_len - 1 ids (a pooling model's: up to max_model_len), each
-        in [0, vocab_size) (an encoder's ids may carry a token type, ``engine.model.bert.TOKEN_TYPE_SHIFT``)."""
+        in [0, vocab_size) (an encoder's ids may carry a token type above ``TOKEN_TYPE_SHIFT``)."""
         if not token_ids:
             raise ValueError("the prompt is empty")
         if self.pooling is not None:
