@@ -80,6 +80,17 @@ class InputProcessor:
                 "max_tokens",
             )
 
+    def check_generates(self) -> None:
+        """InvalidParameterError (param ``model``) when the model is a pooling model: it generates no text."""
+        pooling = self.model_info.pooling
+        if pooling is not None:
+            raise InvalidParameterError(
+                f"{self.model_info.architecture} is a pooling model (tasks {list(pooling.tasks)}): it does not "
+                "generate text; use /v1/embeddings, /v1/score, /rerank, /classify or /pooling (offline: LLM.embed, "
+                "LLM.score, LLM.classify, LLM.encode)",
+                "model",
+            )
+
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(the prompt's text when it has one, its token ids)."""
         if isinstance(prompt, dict):
@@ -149,13 +160,7 @@ class InputProcessor:
         """Validate and tokenize one prompt. Bad input raises ValueError naming what is wrong;
         ``check_context_length``: also refuse a prompt whose ``max_tokens`` would overrun the context (the server
         answers 400, as vLLM does; offline generation stops at the context length instead)."""
-        if self.model_info.pooling is not None:
-            raise InvalidParameterError(
-                f"{self.model_info.architecture} is a pooling model (tasks {list(self.model_info.pooling.tasks)}): it "
-                "does not generate text; use embeddings, score, rerank, classify or pooling (LLM.embed / "
-                "LLM.score / LLM.classify / LLM.encode)",
-                "model",
-            )
+        self.check_generates()
         text, token_ids = self.tokenize(prompt)
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)

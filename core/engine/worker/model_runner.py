@@ -588,31 +588,28 @@ class ModelRunner:
         prompt ends in this step, pool them and apply the head."""
         assert self.pooler is not None and self.pooling_head is not None
         batch = self.batch
-        wanted = self.pooler.positions
-        finished: list[tuple[str, int, list[torch.Tensor]]] = []
-        for row, req_id in enumerate(inputs.req_ids):
-            start, count = int(batch.num_computed_tokens[row]), int(inputs.num_scheduled[row])
-            first = int(inputs.query_start_loc[row])
-            prompt_len = int(batch.num_prompt_tokens[row])
-            parts = self.pooling_parts.setdefault(req_id, [])
-            ends_here = start + count >= prompt_len
-            keep = None
-            if wanted == "all":
-                keep = hidden_states[first : first + count]
-            elif wanted == "first" and start == 0:
-                keep = hidden_states[first : first + 1]
-            if keep is not None:
-                parts.append(keep if ends_here else keep.clone())  # a later step may reuse this step's buffer
-            if not ends_here:
-                continue
-            if wanted == "last":
-                parts.append(hidden_states[first + count - 1 : first + count])
-            finished.append((req_id, prompt_len, self.pooling_parts.pop(req_id)))
-        if not finished:
+        num_rows = len(inputs.req_ids)
+        starts = batch.num_computed_tokens[:num_rows]
+        ends_here = starts + inputs.num_scheduled >= batch.num_prompt_tokens[:num_rows]
+        finished = np.nonzero(ends_here)[0]
+        qsl = inputs.query_start_loc
+        if self.pooler.positions == "last":  # one gather: each finished prompt's last position
+            rows = torch.from_numpy(qsl[finished + 1] - 1).to(hidden_states.device)
+            states = list(hidden_states[rows].unsqueeze(1))
+        else:  # every chunk (all) or the first (first) kept until the prompt ends
+            whole = self.pooler.positions == "all"
+            for row in range(num_rows) if whole else np.nonzero(starts == 0)[0].tolist():
+                chunk = hidden_states[qsl[row] : qsl[row] + (inputs.num_scheduled[row] if whole else 1)]
+                # a prompt that goes on keeps a copy: a later step may reuse this step's buffer
+                self.pooling_parts.setdefault(inputs.req_ids[row], []).append(
+                    chunk if ends_here[row] else chunk.clone()
+                )
+            states = [torch.cat(self.pooling_parts.pop(inputs.req_ids[row])) for row in finished.tolist()]
+        if not len(finished):
             return {}
-        states = [parts[0] if len(parts) == 1 else torch.cat(parts) for _, _, parts in finished]
-        req_ids = [req_id for req_id, _, _ in finished]
-        pooled = self.pooler.pool(PoolingBatch(req_ids, states, [length for _, length, _ in finished]))
+        req_ids = [inputs.req_ids[row] for row in finished.tolist()]
+        prompt_lens = batch.num_prompt_tokens[finished].tolist()
+        pooled = self.pooler.pool(PoolingBatch(req_ids, states, prompt_lens))
         results = self.pooling_head(pooled, [self.pooling_params[req_id] for req_id in req_ids])
         return dict(zip(req_ids, results))
 

@@ -85,14 +85,7 @@ class OpenAIServing:
     def generating_engine(self):
         """The engine of a generation endpoint: a 400 when the served model is a pooling model."""
         engine = self.get_engine()
-        pooling = engine.model_info.pooling
-        if pooling is not None:
-            raise APIError(
-                f"{engine.model_info.architecture} is a pooling model (tasks {list(pooling.tasks)}): it does not "
-                "generate text; use /v1/embeddings, /v1/score, /rerank, /classify or /pooling",
-                400,
-                "model",
-            )
+        engine.input_processor.check_generates()  # before a chat template, which an encoder may lack
         return engine
 
     def check_model(self, name: Optional[str]) -> None:
