@@ -248,7 +248,8 @@ def test_embed_task_against_sentence_transformers(tmp_path):
     engine_row, peer = report["results"]
     assert engine_row["variant"] == "engine" and peer["variant"] == "sentence-transformers"
     assert report["num_passages"] > 64 and report["prompt_tokens"] > report["num_passages"]
-    assert peer["engine_ratio"] == pytest.approx(engine_row["tokens_per_s"] / peer["tokens_per_s"], rel=0.01)
+    # the ratio is rounded to two decimals, from rates rounded to one
+    assert peer["engine_ratio"] == pytest.approx(engine_row["tokens_per_s"] / peer["tokens_per_s"], abs=0.006)
     assert report["environment"]["peer"]["OMP_WAIT_POLICY"] == "unset" and is_png(plot)
 
 
