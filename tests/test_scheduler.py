@@ -188,3 +188,78 @@ def test_failed_requests_free_their_blocks_and_leave_isolation():
         step(scheduler)
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks and not scheduler.isolated
+
+
+def add_with_priority(scheduler, rid, n_prompt, priority, **params) -> Request:
+    start = 100 * (len(scheduler.requests) + 1)
+    request = Request(rid, list(range(start, start + n_prompt)), SamplingParams(**params), EOS, BS, priority=priority)
+    scheduler.add_request(request)
+    return request
+
+
+def first_scheduled_order(scheduler) -> list[str]:
+    order: list[str] = []
+    while scheduler.has_unfinished_requests():
+        out, _ = step(scheduler)
+        order += [n.req_id for n in out.scheduled_new_reqs if n.req_id not in order]
+    return order
+
+
+def test_priority_policy_admits_lower_values_first_then_by_arrival():
+    scheduler = make_scheduler(max_num_seqs=1, policy="priority")
+    for rid, priority in [("a", 5), ("b", 0), ("c", 5), ("d", -1)]:
+        add_with_priority(scheduler, rid, 4, priority, max_tokens=2)
+    assert first_scheduled_order(scheduler) == ["d", "b", "a", "c"]
+
+
+def test_fcfs_policy_keeps_arrival_order_whatever_the_priority():
+    scheduler = make_scheduler(max_num_seqs=1)
+    for rid, priority in [("a", 5), ("b", 0), ("c", 5)]:
+        add_with_priority(scheduler, rid, 4, priority, max_tokens=2)
+    assert first_scheduled_order(scheduler) == ["a", "b", "c"]
+
+
+def test_priority_policy_a_waiting_request_preempts_lower_priority_running_ones_when_the_cache_is_full():
+    scheduler = make_scheduler(num_blocks=8, max_model_len=32, policy="priority")
+    low = add_with_priority(scheduler, "low", 16, 10, max_tokens=12, ignore_eos=True)
+    for _ in range(3):
+        step(scheduler)
+    assert low.status == RequestStatus.RUNNING  # 16 prompt + 2 tokens: 5 of the 8 blocks
+    high = add_with_priority(scheduler, "high", 16, 0, max_tokens=4, ignore_eos=True)  # needs 4 blocks: only 3 free
+    out, _ = step(scheduler)
+    assert low.status == RequestStatus.PREEMPTED and "low" in out.preempted_req_ids
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["high"] and "low" not in out.num_scheduled_tokens
+    while high.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        out, _ = step(scheduler)
+        assert "low" not in out.num_scheduled_tokens or high.is_finished()
+    pool = scheduler.kv_cache_manager.block_pool
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    # nothing lost: the preempted request resumed and produced all its tokens; every block came back
+    assert low.num_output_tokens == 12 and high.num_output_tokens == 4 and low.num_preemptions == 1
+    assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+def test_priority_policy_does_not_preempt_for_an_equal_or_lower_priority_request():
+    scheduler = make_scheduler(num_blocks=8, max_model_len=32, policy="priority")
+    first = add_with_priority(scheduler, "first", 16, 1, max_tokens=12, ignore_eos=True)
+    for _ in range(3):
+        step(scheduler)
+    later = add_with_priority(scheduler, "later", 16, 1, max_tokens=4, ignore_eos=True)
+    step(scheduler)
+    assert first.status == RequestStatus.RUNNING and later.status == RequestStatus.WAITING
+
+
+def test_priority_policy_preempts_the_lowest_priority_running_request_not_the_latest_admitted():
+    scheduler = make_scheduler(num_blocks=8, max_model_len=32, policy="priority")
+    low = add_with_priority(scheduler, "low", 8, 9, max_tokens=12, ignore_eos=True)
+    high = add_with_priority(scheduler, "high", 8, 0, max_tokens=12, ignore_eos=True)
+    for _ in range(9):  # both hold 4 blocks: the pool is full
+        step(scheduler)
+    assert low.status == high.status == RequestStatus.RUNNING
+    out, _ = step(scheduler)  # one needs a 5th block: the low-priority one (admitted first) is preempted
+    assert low.status == RequestStatus.PREEMPTED and high.status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens.get("high") == 1 and "low" not in out.num_scheduled_tokens
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert low.num_output_tokens == high.num_output_tokens == 12

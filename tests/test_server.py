@@ -153,6 +153,7 @@ def test_stop_n_logprobs_seed(client):
         ({"prompt": [5] * 600}, 400, None),
         ({"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
         ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "hi", "priority": 3}, 400, "priority"),  # the server's policy is fcfs
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, client, body, status, param):

@@ -147,6 +147,12 @@ class SchedulerConfig(_Section):
         description="plan step k+1 while the workers run step k (one step "
         "in flight; a request that stops wastes at most one token of compute)",
     )
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="which waiting request goes first: fcfs = by arrival; priority = by the request's "
+        "priority (lower value first, then arrival), and when the KV cache is full a waiting request "
+        "preempts running ones of lower priority (vLLM's --scheduling-policy)",
+    )
 
 
 class ParallelConfig(_Section):
@@ -592,6 +598,7 @@ class ServerConfig(_Section):
         "bound; a call is always admitted when nothing waits)",
     )
     tool_call_parser: str = Field("none", description=KINDS["tool_parser"].choice_help)
+    reasoning_parser: str = Field("none", description=KINDS["reasoning_parser"].choice_help)
     shutdown_grace_period: float = Field(
         5.0,
         ge=0,
@@ -637,6 +644,7 @@ SECTION_ALIASES = {"speculative_config": "speculative", "structured_outputs_conf
 FLAT_ALIASES = {
     **{flag: kind.config_key for kind in KINDS.values() if kind.config_key for flag in kind.flags},
     "attention_options": "attention.options",
+    "scheduling_policy": "scheduler.policy",
     "enable_lora_runtime_updates": "lora.runtime_updates",
     "shadow": "shadow.overrides",
     "shadow_fraction": "shadow.fraction",

@@ -23,7 +23,7 @@ import pluggy
 _Spec = TypeVar("_Spec", bound=Callable[..., Any])
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.15"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.16"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
 # LayerKernels.capture_decode_step, 1.6 engine_spec_proposers, 1.7 engine_structured_output_backends and
@@ -34,7 +34,8 @@ CONTRACT_VERSION = "1.15"  # 1.1 added register_models, 1.2 engine_layer_kernels
 # LayerKernels.serves_packed_weights (auto quantization keeps a GGUF file packed), 1.13 LayerKernels.add_lora (the
 # batched LoRA product) and engine_lora_resolvers, 1.14 LayerKernels.add_lora's out_slices (B's zero blocks in a merged
 # layer, for kernels that skip them) and CapturedDecodeStep.takes_lora_steps, 1.15 engine_poolers and the encoder-only
-# attention type (AttentionBackend.supports_encoder_only, AttentionImpl.forward_encoder_only)
+# attention type (AttentionBackend.supports_encoder_only, AttentionImpl.forward_encoder_only), 1.16
+# engine_reasoning_parsers
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -339,6 +340,30 @@ def engine_tool_parsers() -> list[type]:
     Chosen by ``server.tool_call_parser`` (``none``: off). Constructed in the API server per chat request as
     ``cls(tokenizer)``; ``extract_tool_calls(text)`` splits a finished answer into content and tool calls,
     ``extract_tool_calls_streaming`` turns each streamed text delta into a content or tool-call delta.
+    """
+
+
+@plugin_kind(
+    "reasoning_parser",
+    base="engine.interfaces.reasoning_parser:ReasoningParser",
+    process="api server",
+    config_key="server.reasoning_parser",
+    flags=("reasoning_parser",),
+    off_value="none",
+    selected_at_start=False,
+    construction="cls(tokenizer) per chat or Responses request; extract_reasoning(text) on the finished text, "
+    "extract_reasoning_streaming(current_text, finished) per streamed delta",
+    choice_help="reasoning parser plugin (deepseek_r1, qwen3...) that splits a reasoning model's output into "
+    "reasoning_content and content; none = the output is all content",
+)
+def engine_reasoning_parsers() -> list[type]:
+    """Return ReasoningParser subclasses (``engine.interfaces.reasoning_parser``): parsers that split what a
+    reasoning model writes into its reasoning and its answer (vLLM's ``--reasoning-parser``).
+
+    Chosen by ``server.reasoning_parser`` (``none``: off). Constructed in the API server per request as
+    ``cls(tokenizer)``; ``extract_reasoning(text)`` splits a finished output, ``extract_reasoning_streaming``
+    turns the growing output into reasoning and answer deltas. ``start_text`` / ``end_text`` are the tags a
+    thinking budget uses.
     """
 
 

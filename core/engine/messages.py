@@ -141,6 +141,7 @@ class EngineCoreRequest(msgspec.Struct):
     lora_request: Optional[LoRARequest] = None  # the adapter this request runs with (None: the base model)
     # a pooling request (embed, classify, score): it ends after its prompt with a pooled output, no token sampled
     pooling_params: Optional[PoolingParams] = None
+    priority: int = 0  # scheduler.policy "priority": lower goes first (ignored, and always 0, under fcfs)
 
 
 class UtilityCall(msgspec.Struct):

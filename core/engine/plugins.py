@@ -39,6 +39,7 @@ BUILTIN_MODULES = (
     "engine.spec_decode.suffix",
     "engine.spec_decode.draft_model",
     "engine.tool_parsers.hermes",
+    "engine.reasoning.think_tags",
     "engine.lora.resolvers",
     "engine.model.registry",
 )

@@ -146,6 +146,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled by the input processor from ``bad_words`` with the model's tokenizer.
     bad_words_token_ids: Optional[list[list[int]]] = None
+    # a reasoning model's thinking budget (vLLM's): after this many reasoning tokens the reasoning is closed
+    thinking_token_budget: Optional[int] = None
+    # Filled by the input processor from the reasoning parser's tags: what opens the reasoning (empty: the output
+    # starts in it) and what closes it (forced when the budget is spent)
+    reasoning_start_token_ids: list[int] = []
+    reasoning_end_token_ids: list[int] = []
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -159,7 +165,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise InvalidParameterError(
                     f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias"
                 ) from None
-        for field in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+        for field in (
+            "n",
+            "top_k",
+            "seed",
+            "max_tokens",
+            "min_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "thinking_token_budget",
+        ):
             if not _is_int64(getattr(self, field)):
                 raise InvalidParameterError(
                     f"SamplingParams.{field} must be an integer in [{INT64_MIN}, {INT64_MAX}], "
@@ -177,6 +192,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ("repetition_penalty", 0 < self.repetition_penalty <= 10, "must be in (0, 10]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
+            (
+                "thinking_token_budget",
+                self.thinking_token_budget is None or self.thinking_token_budget >= 0,
+                "must be non-negative",
+            ),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must not exceed max_tokens"),
             ("stop_token_ids", all(_is_token_id(t) for t in self.stop_token_ids), "must be non-negative token ids"),
             (
@@ -241,6 +261,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("stop_token_ids", self.stop_token_ids),
             ("bad_words", [t for seq in self.bad_words_token_ids or [] for t in seq]),
+            ("thinking_token_budget", self.reasoning_start_token_ids + self.reasoning_end_token_ids),
         ):
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad:

@@ -193,6 +193,7 @@ class EngineCore:
                     request.resumed_output_token_ids,
                     request.lora_request,
                     request.pooling_params,
+                    request.priority,
                 )
             )
         except Exception as exc:

@@ -102,12 +102,18 @@ class AsyncLLM:
         request_id: Optional[str] = None,
         check_context_length: bool = False,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> PreparedRequest:
         """Validate and tokenize a prompt for ``generate`` (ValueError naming what is wrong); the OpenAI server
         prepares every prompt of a call, with the context-length check, before it starts any."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         return self.input_processor.prepare(
-            request_id, prompt, sampling_params, check_context_length=check_context_length, lora_request=lora_request
+            request_id,
+            prompt,
+            sampling_params,
+            check_context_length=check_context_length,
+            lora_request=lora_request,
+            priority=priority,
         )
 
     def prepare_pooling(
@@ -146,6 +152,7 @@ class AsyncLLM:
         sampling_params: Optional[SamplingParams] = None,
         request_id: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's (cumulative) output after each step until it finishes. ``prompt`` is a prompt
         (then ``sampling_params`` are needed) or a ``PreparedRequest``, which is used as it is.
@@ -162,7 +169,7 @@ class AsyncLLM:
         else:
             if sampling_params is None:
                 raise ValueError("generate needs sampling_params with a prompt (or a PreparedRequest)")
-            prepared = self.prepare(prompt, sampling_params, request_id, lora_request=lora_request)
+            prepared = self.prepare(prompt, sampling_params, request_id, lora_request=lora_request, priority=priority)
         request_id = prepared.request_id
         waiting: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = waiting

@@ -11,6 +11,7 @@ import msgspec
 from engine.config import VllmConfig
 from engine.errors import InvalidParameterError
 from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.reasoning_tags import reasoning_tag_token_ids, select_reasoning_parser
 from engine.lora.adapter import LoRAAdapterError
 from engine.lora.checker import LoRAAdapterChecker
 from engine.lora_request import LoRARequest
@@ -47,12 +48,16 @@ class InputProcessor:
         max_logprobs: int = 20,
         structured_outputs_validator=None,
         lora_checker: Optional[LoRAAdapterChecker] = None,
+        scheduling_policy: str = "fcfs",
+        reasoning_parser_cls: Optional[type] = None,
     ):
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.structured_outputs_validator = structured_outputs_validator
         self.lora_checker = lora_checker
+        self.scheduling_policy = scheduling_policy
+        self.reasoning_parser_cls = reasoning_parser_cls  # server.reasoning_parser (None: none)
 
     def eos_token_id(self) -> Optional[int]:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -79,6 +84,26 @@ class InputProcessor:
                 f"{params.max_tokens} in the completion); reduce the prompt or max_tokens",
                 "max_tokens",
             )
+
+    def check_priority(self, priority: int) -> None:
+        """A non-zero priority needs the priority policy (InvalidParameterError naming ``priority``), as vLLM."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidParameterError(
+                f"got priority {priority}, but priority scheduling is not enabled: start the engine with "
+                "--scheduling-policy priority (scheduler.policy)",
+                "priority",
+            )
+
+    def with_reasoning_tags(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the reasoning parser's tags as token ids, which a thinking budget needs."""
+        if self.reasoning_parser_cls is None:
+            raise InvalidParameterError(
+                "thinking_token_budget needs a reasoning parser to know where the reasoning ends: start the engine "
+                "with --reasoning-parser (server.reasoning_parser), e.g. deepseek_r1 or qwen3",
+                "thinking_token_budget",
+            )
+        start, end = reasoning_tag_token_ids(self.reasoning_parser_cls, self.tokenizer)
+        return msgspec.structs.replace(params, reasoning_start_token_ids=start, reasoning_end_token_ids=end)
 
     def check_generates(self) -> None:
         """InvalidParameterError (param ``model``) when the model is a pooling model: it generates no text."""
@@ -156,11 +181,14 @@ class InputProcessor:
         cache_salt: Optional[str] = None,
         check_context_length: bool = False,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> PreparedRequest:
         """Validate and tokenize one prompt. Bad input raises ValueError naming what is wrong;
         ``check_context_length``: also refuse a prompt whose ``max_tokens`` would overrun the context (the server
-        answers 400, as vLLM does; offline generation stops at the context length instead)."""
+        answers 400, as vLLM does; offline generation stops at the context length instead); ``priority``: lower
+        goes first (only with ``scheduler.policy`` priority)."""
         self.check_generates()
+        self.check_priority(priority)
         text, token_ids = self.tokenize(prompt)
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt", cache_salt)
@@ -181,12 +209,25 @@ class InputProcessor:
                 raise InvalidParameterError(str(exc), "model") from None
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        if params.thinking_token_budget is not None and not params.reasoning_end_token_ids:
+            params = self.with_reasoning_tags(params)
         now, eos = time.monotonic(), self.eos_token_id()
         if params.n == 1:
             return PreparedRequest(
                 request_id,
                 text,
-                [EngineCoreRequest(request_id, token_ids, params, eos, now, cache_salt, lora_request=lora_request)],
+                [
+                    EngineCoreRequest(
+                        request_id,
+                        token_ids,
+                        params,
+                        eos,
+                        now,
+                        cache_salt,
+                        lora_request=lora_request,
+                        priority=priority,
+                    )
+                ],
             )
         # n sequences share the prompt's KV blocks through the prefix cache (ref counts, no copies)
         sequences = [
@@ -198,6 +239,7 @@ class InputProcessor:
                 now,
                 cache_salt,
                 lora_request=lora_request,
+                priority=priority,
             )
             for index in range(params.n)
         ]
@@ -218,6 +260,8 @@ def build_front_end(vllm_config: VllmConfig) -> tuple[ModelInfo, Any, InputProce
             vllm_config.model.max_logprobs,
             validator,
             LoRAAdapterChecker(vllm_config.lora, model_info.hf_config),
+            vllm_config.scheduler.policy,
+            select_reasoning_parser(vllm_config),
         ),
         OutputProcessor(tokenizer),
     )

@@ -55,9 +55,11 @@ class LLM:
         sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
         use_tqdm: bool = True,
         lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+        priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. ``lora_request``: the adapter every
-        prompt runs with, or one per prompt (None: the base model), as vLLM (needs ``enable_lora=True``)."""
+        prompt runs with, or one per prompt (None: the base model), as vLLM (needs ``enable_lora=True``);
+        ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -75,10 +77,13 @@ class LLM:
         )
         if len(adapters) != len(prompts):
             raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         request_ids = []
         try:
-            for prompt, param, adapter in zip(prompts, params, adapters):
-                request_ids.append(self.llm_engine.add_request(prompt, param, lora_request=adapter))
+            for prompt, param, adapter, rank in zip(prompts, params, adapters, priorities):
+                request_ids.append(self.llm_engine.add_request(prompt, param, lora_request=adapter, priority=rank))
         except Exception:
             self.llm_engine.abort_request(request_ids)
             raise
@@ -92,15 +97,21 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
         lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (``chat_template_kwargs``: extra template
+        variables, e.g. ``{"enable_thinking": False}``), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
             {
                 "prompt_token_ids": tokenizer.encode(
                     tokenizer.apply_chat_template(
-                        conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                        conv,
+                        tokenize=False,
+                        add_generation_prompt=add_generation_prompt,
+                        chat_template=chat_template,
+                        **(chat_template_kwargs or {}),
                     ),
                     add_special_tokens=False,
                 )

@@ -37,9 +37,12 @@ class LLMEngine:
         params: SamplingParams,
         request_id: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
-        prepared = self.input_processor.prepare(request_id, prompt, params, lora_request=lora_request)
+        prepared = self.input_processor.prepare(
+            request_id, prompt, params, lora_request=lora_request, priority=priority
+        )
         self.output_processor.add_request(request_id, prepared.prompt_text, prepared.requests)
         for request in prepared.requests:
             self.engine_core.add_request(request)

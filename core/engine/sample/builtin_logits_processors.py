@@ -120,6 +120,43 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         _ban(logits, pairs)
 
 
+class ThinkingBudgetLogitsProcessor(LogitsProcessor):
+    """A reasoning model's ``thinking_token_budget``: once the reasoning has that many tokens and is still open,
+    the tokens that close it (``reasoning_end_token_ids``) are forced, one per step."""
+
+    name = "thinking_budget"
+    priority = 65
+
+    @classmethod
+    def requested_by(cls, params) -> bool:
+        return params.thinking_token_budget is not None and bool(params.reasoning_end_token_ids)
+
+    @staticmethod
+    def forced_token(output: list[int], params) -> int | None:
+        """The end token to force after ``output`` (None: the budget is not spent, or the reasoning is over)."""
+        start, end = params.reasoning_start_token_ids, params.reasoning_end_token_ids
+        begin = 0
+        if start:
+            if output[: len(start)] != start:
+                return None  # no reasoning block opened this output
+            begin = len(start)
+        reasoning = output[begin:]
+        if any(reasoning[i : i + len(end)] == end for i in range(len(reasoning) - len(end) + 1)):
+            return None  # closed already
+        done = next(j for j in range(len(end) - 1, -1, -1) if j == 0 or reasoning[-j:] == end[:j])
+        if len(reasoning) - done < params.thinking_token_budget:
+            return None
+        return end[done]
+
+    def apply(self, logits, batch):
+        token_ids, num_prompt, num_tokens = batch.token_ids, batch.num_prompt_tokens.tolist(), batch.num_tokens.tolist()
+        for i, (row, params) in enumerate(zip(batch.rows.tolist(), batch.params)):
+            forced = self.forced_token(token_ids[i, num_prompt[i] : num_tokens[i]].tolist(), params)
+            if forced is not None:
+                logits[row] = float("-inf")
+                logits[row, forced] = 0.0
+
+
 class PenaltiesLogitsProcessor(LogitsProcessor):
     """presence, frequency (generated tokens) and repetition (prompt and generated) penalties.
 
@@ -175,6 +212,7 @@ def engine_logits_processors():
         BadWordsLogitsProcessor,
         LogitBiasLogitsProcessor,
         MinTokensLogitsProcessor,
+        ThinkingBudgetLogitsProcessor,
         PenaltiesLogitsProcessor,
         MinPLogitsProcessor,
     ]

@@ -50,6 +50,7 @@ class Request:
         resumed_output_token_ids: Optional[list[int]] = None,
         lora_request: Optional[LoRARequest] = None,
         pooling_params: Optional[PoolingParams] = None,
+        priority: int = 0,
     ):
         """``resumed_output_token_ids``: tokens this request produced on another engine core (a DP rank that
         died); it starts here as if preempted after them (prompt and these recomputed, sampling goes on)."""
@@ -61,6 +62,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request
         self.pooling_params = pooling_params  # a pooling request: it ends with its prompt (max_tokens 1 holds it)
+        self.priority = priority  # scheduler.policy "priority": lower goes first
         self.lora_key = lora_request.prefix_key if lora_request is not None else None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
@@ -76,6 +78,11 @@ class Request:
         self.structured_output_request = None  # its constraint's compile and matcher (StructuredOutputRequest)
         self.block_hashes: list[bytes] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_key)
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """The order of the priority policy: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time)
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -55,6 +56,7 @@ class Scheduler:
         self.max_loras = vllm_config.lora.max_loras if vllm_config.lora.enable_lora else 0
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.async_scheduling = sched.async_scheduling
+        self.priority_policy = sched.policy == "priority"  # else fcfs
         # stages before the last do not sample: each step tells them its input tokens
         self.send_token_ids = vllm_config.parallel.pipeline_parallel_size > 1
         self.max_model_len = max_model_len
@@ -98,8 +100,19 @@ class Scheduler:
                 constraint, resumed_token_ids=request.output_token_ids
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue_waiting(request, front=False)
         self.num_requests_received += 1
+
+    def _enqueue_waiting(self, request: Request, front: bool) -> None:
+        """Queue a request to wait: under fcfs at the back (``front``: a preempted one, at the front); under the
+        priority policy at its place by (priority, arrival)."""
+        if self.priority_policy:
+            keys = [r.priority_key for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, request.priority_key), request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (abort) requests from outside; their blocks return to the pool."""
@@ -195,9 +208,10 @@ class Scheduler:
             drafts = drafts[: max(0, num_new - num_known)]
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = self.running.pop()  # the latest admitted goes first
-                self._preempt(victim)
-                plan.preempted.append(victim)
+                victim = self._pick_victim()
+                if self.running.index(victim) < req_index:
+                    req_index -= 1  # planned earlier in this loop (priority policy): its plan is undone
+                self._preempt_planned(plan, victim)
                 if victim is request:
                     return
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -261,7 +275,9 @@ class Scheduler:
             if plan.forced is not None:
                 num_new = min(num_new, plan.forced[0][request.request_id])
             if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-                break
+                if not self._preempt_for(plan, request):
+                    break
+                continue  # blocks were freed: plan this request again (its prefix hits may have changed)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -372,6 +388,37 @@ class Scheduler:
             request.num_tokens + request.num_output_placeholders >= self.max_model_len
         )
 
+    def _pick_victim(self) -> Request:
+        """The running request to preempt when blocks run out: under fcfs the latest admitted; under the priority
+        policy the lowest priority (highest value), the latest arrival among equals (vLLM's rule)."""
+        if self.priority_policy:
+            return max(self.running, key=lambda r: r.priority_key)
+        return self.running[-1]
+
+    def _preempt_for(self, plan: StepPlan, request: Request) -> bool:
+        """Priority policy: free blocks for waiting ``request`` by preempting the running request of lowest
+        priority, if it ranks below ``request`` and was not admitted in this step; its planned tokens go back to
+        the budget. Whether one was preempted (fcfs never preempts for a waiting request)."""
+        if not self.priority_policy:
+            return False
+        admitted = {new.req_id for new in plan.new_reqs}
+        candidates = [r for r in self.running if r.request_id not in admitted and r.priority_key > request.priority_key]
+        if not candidates:
+            return False
+        self._preempt_planned(plan, max(candidates, key=lambda r: r.priority_key))
+        return True
+
+    def _preempt_planned(self, plan: StepPlan, victim: Request) -> None:
+        """Preempt running ``victim``; if this step had planned tokens for it, they go back to the budget."""
+        num_planned = plan.num_scheduled.pop(victim.request_id, 0)
+        if num_planned:
+            plan.token_budget += num_planned
+            plan.cached_reqs = [c for c in plan.cached_reqs if c.req_id != victim.request_id]
+            plan.spec_tokens.pop(victim.request_id, None)
+        self.running.remove(victim)
+        self._preempt(victim)
+        plan.preempted.append(victim)
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
@@ -380,7 +427,7 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue_waiting(request, front=True)
         logger.debug("preempted %s (recompute later)", request.request_id)
 
     def update_from_output(

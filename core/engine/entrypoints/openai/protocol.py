@@ -146,6 +146,9 @@ class _SamplingFields(_Request):
     allowed_token_ids: Optional[list[TokenId]] = None
     bad_words: Optional[list[str]] = None
     cache_salt: Optional[str] = None
+    priority: Int64 = 0  # lower first; needs the server's --scheduling-policy priority
+    # a reasoning model's thinking budget: the reasoning is closed after this many tokens (needs a reasoning parser)
+    thinking_token_budget: Optional[Count] = None
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
     # vLLM's name: SamplingParams.extra_args, read by third-party logits processors
@@ -217,6 +220,7 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             extra_args=self.vllm_xargs,
             structured_outputs=constraint if constraint is not None else self.constraint(),
+            thinking_token_budget=self.thinking_token_budget,
         )
 
 
@@ -275,6 +279,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[ChatCompletionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None  # false: at most one call (tool_choice "required" and "auto")
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra template variables, e.g. enable_thinking
+    include_reasoning: bool = True  # with a reasoning parser: false leaves reasoning_content out
 
 
 class TokenizeRequest(_Request):

@@ -113,11 +113,24 @@ class OpenAIServing:
 
     @staticmethod
     def chat_prompt_ids(
-        engine, messages, add_generation_prompt: bool, chat_template: Optional[str], tools: Optional[list[dict]] = None
+        engine,
+        messages,
+        add_generation_prompt: bool,
+        chat_template: Optional[str],
+        tools: Optional[list[dict]] = None,
+        template_kwargs: Optional[dict] = None,
     ) -> list[int]:
-        """The conversation through the chat template (which decides how ``tools`` and tool messages show)."""
+        """The conversation (ChatMessages or plain dicts) through the chat template, which decides how ``tools``
+        and tool messages show; ``template_kwargs`` are extra template variables (``enable_thinking``...)."""
         tokenizer = engine.tokenizer
-        conversation = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in messages]
+        conversation = [
+            m if isinstance(m, dict) else {**(m.model_extra or {}), "role": m.role, "content": m.text()}
+            for m in messages
+        ]
+        reserved = {"conversation", "tokenize", "add_generation_prompt", "chat_template", "tools"}
+        clash = sorted(reserved & set(template_kwargs or {}))
+        if clash:
+            raise APIError(f"chat_template_kwargs may not set {clash}", 400, "chat_template_kwargs")
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
@@ -125,6 +138,7 @@ class OpenAIServing:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=tools,
+                **(template_kwargs or {}),
             )
         except Exception as exc:
             raise APIError(f"cannot apply the chat template: {exc}", 400, "messages") from None
@@ -132,23 +146,41 @@ class OpenAIServing:
 
     @staticmethod
     def prepare(
-        engine, prompts: list[dict], params, base_id: str, lora_request: Optional[LoRARequest] = None
+        engine,
+        prompts: list[dict],
+        params,
+        base_id: str,
+        lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> list[PreparedRequest]:
         """Every prompt of a call validated and tokenized (with the context-length check) before any starts;
         prompt ``i`` runs as request ``{base_id}-{i}``, with ``lora_request``'s adapter when one is named."""
         return [
-            engine.prepare(prompt, params, f"{base_id}-{index}", check_context_length=True, lora_request=lora_request)
+            engine.prepare(
+                prompt,
+                params,
+                f"{base_id}-{index}",
+                check_context_length=True,
+                lora_request=lora_request,
+                priority=priority,
+            )
             for index, prompt in enumerate(prompts)
         ]
 
     async def prepare_off_loop(
-        self, engine, prompts: list[dict], params, base_id: str, lora_request: Optional[LoRARequest] = None
+        self,
+        engine,
+        prompts: list[dict],
+        params,
+        base_id: str,
+        lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> list[PreparedRequest]:
         """``prepare``; a constrained request's check (its backend parses the schema or grammar) runs on a
         thread, so that a large constraint does not stall the other clients."""
         if params.structured_outputs is None:
-            return self.prepare(engine, prompts, params, base_id, lora_request)
-        return await asyncio.to_thread(self.prepare, engine, prompts, params, base_id, lora_request)
+            return self.prepare(engine, prompts, params, base_id, lora_request, priority)
+        return await asyncio.to_thread(self.prepare, engine, prompts, params, base_id, lora_request, priority)
 
     # ---- generation -----------------------------------------------------------------------------
     def admit(self, prepared: list[PreparedRequest]) -> None:

@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
+from engine.entrypoints.openai.reasoning import ReasoningSplitter
 from engine.entrypoints.openai.serving import OpenAIServing, get_serving
 from engine.entrypoints.openai.streaming import stream_choices, usage
 from engine.entrypoints.openai.tool_calls import ToolCallPlan, ToolCallStreamer, select_tool_parser
@@ -69,7 +70,9 @@ async def chat_completions(
         body.add_generation_prompt,
         body.chat_template,
         plan.template_tools,
+        body.chat_template_kwargs,
     )
+    reasoning_cls = engine.input_processor.reasoning_parser_cls
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, engine.model_info.max_model_len - len(prompt_ids))
     params = body.sampling_params(
@@ -77,7 +80,7 @@ async def chat_completions(
     )
     prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
     request_id = random_id("chatcmpl")
-    prepared = await serving.prepare_off_loop(engine, [prompt], params, request_id, lora_request)
+    prepared = await serving.prepare_off_loop(engine, [prompt], params, request_id, lora_request, body.priority)
     serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
     model = lora_request.lora_name if lora_request is not None else serving.model_name
     header = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
@@ -87,7 +90,13 @@ async def chat_completions(
         output = (await serving.final_outputs(engine, prepared, http_request))[0]
         choices = []
         for c in output.outputs:
-            message, called = plan.message(c.text, engine.tokenizer)
+            reasoning, answer = ReasoningSplitter(reasoning_cls, engine.tokenizer).split(c.text)
+            message, called = plan.message(answer, engine.tokenizer)
+            if reasoning_cls is not None:
+                if not message.get("content"):
+                    message["content"] = None
+                if body.include_reasoning:
+                    message["reasoning_content"] = reasoning
             choices.append(
                 {
                     "index": c.index,
@@ -100,11 +109,17 @@ async def chat_completions(
         return {**header, "choices": choices, "usage": usage([output])}
 
     streamers: dict[int, ToolCallStreamer] = {}  # choice index -> its ToolCallStreamer
+    splitters: dict[int, ReasoningSplitter] = {}  # choice index -> its reasoning / answer split
 
     def choice(index: int, completion, text: str, start: int) -> dict:
         streamer = streamers.setdefault(index, plan.streamer(engine.tokenizer))
+        splitter = splitters.setdefault(index, ReasoningSplitter(reasoning_cls, engine.tokenizer))
         finished = completion.finish_reason is not None
-        delta = streamer.delta(text, completion.text[: len(completion.text) - len(text)], completion.text, finished)
+        previous_answer = splitter.answer
+        new_reasoning, new_answer = splitter.stream(completion.text, finished)
+        delta = streamer.delta(new_answer, previous_answer, splitter.answer, finished) if new_answer or finished else {}
+        if new_reasoning and body.include_reasoning:
+            delta = {"reasoning_content": new_reasoning, **delta}
         return {
             "index": index,
             "delta": delta,

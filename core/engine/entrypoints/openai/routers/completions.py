@@ -63,7 +63,7 @@ async def completions(body: CompletionRequest, http_request: Request, serving: O
     params = body.sampling_params(body.max_tokens, body.logprobs, 16)
     prompts = await serving.tokenized(engine, completion_prompts(body.prompt))
     request_id = random_id("cmpl")
-    prepared = await serving.prepare_off_loop(engine, prompts, params, request_id, lora_request)
+    prepared = await serving.prepare_off_loop(engine, prompts, params, request_id, lora_request, body.priority)
     serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
     model = lora_request.lora_name if lora_request is not None else serving.model_name
     header = {"id": request_id, "object": "text_completion", "created": now(), "model": model}

@@ -1,0 +1,1 @@
+"""Built-in reasoning parsers (the ``reasoning_parser`` plugin kind)."""
