@@ -62,6 +62,34 @@ def tiny_llama(make_tiny_model) -> str:
 
 
 @pytest.fixture(scope="session")
+def features_server(tiny_llama):
+    """`engine serve` on the tiny model with what the client-feature tests use (issue 43): the Responses API's
+    store, beam search, priority scheduling, the deepseek_r1 reasoning parser and the hermes tool-call parser."""
+    from tests.helpers import Server
+
+    srv = Server(
+        "--model",
+        tiny_llama,
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "32MiB",
+        "--max-model-len",
+        "512",
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--tool-call-parser",
+        "hermes",
+        "--scheduling-policy",
+        "priority",
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def hf_tiny_llama(tiny_llama):
     from transformers import AutoModelForCausalLM
 

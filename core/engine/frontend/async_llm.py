@@ -8,6 +8,7 @@ import logging
 import threading
 from typing import AsyncGenerator, Optional, Union
 
+from engine.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from engine.config import VllmConfig
 from engine.errors import EngineDeadError, EngineGenerateError, EngineUnavailableError
 from engine.frontend.core_client import AsyncMPClient, RemoteEngines
@@ -193,6 +194,40 @@ class AsyncLLM:
             self.queues.pop(request_id, None)
             if not finished and not self.dead_error:  # cancelled, or the caller stopped iterating
                 await self.abort(request_id)
+
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        request_id: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> BeamSearchOutput:
+        """Beam search over one prompt (``engine.beam_search``): each step runs the live beams as concurrent
+        one-token requests that share their prefixes through the prefix cache; cancelling aborts them."""
+        request_id = request_id if request_id is not None else f"beam-{next(self._ids)}"
+        instance = BeamSearchInstance(
+            self.input_processor.tokenize(prompt)[1], params, self.input_processor.eos_token_id()
+        )
+        step_params, max_len = params.step_params(), self.model_info.max_model_len
+
+        async def extend(beam_id: str, tokens: list[int]):
+            if len(tokens) >= max_len:
+                return None  # at the context length: the beam ends
+            final = None
+            prepared = self.prepare({"prompt_token_ids": tokens}, step_params, beam_id, lora_request=lora_request)
+            async for final in self.generate(prepared):  # noqa: B007 (the last one)
+                pass
+            assert final is not None and final.outputs[0].logprobs  # generate raises rather than end without output
+            return final.outputs[0].logprobs[0]
+
+        for step in range(params.max_tokens):
+            if instance.done:
+                break
+            positions = await asyncio.gather(
+                *(extend(f"{request_id}-{step}-{i}", beam.tokens) for i, beam in enumerate(instance.beams))
+            )
+            instance.advance(list(positions))
+        return instance.result(self.tokenizer)
 
     async def abort(self, request_id: str) -> None:
         sequence_ids = self.output_processor.sequence_ids(request_id)

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union, cast
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from engine.config import VllmConfig
 from engine.frontend.input_processor import PromptType
 from engine.frontend.llm_engine import LLMEngine
@@ -119,6 +120,38 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def beam_search(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over every prompt (``engine.beam_search``): each step runs all live beams of all prompts as
+        one batch of one-token requests, sharing their prefixes through the prefix cache; the best
+        ``params.beam_width`` beams of each prompt come back, best first."""
+        processor = self.llm_engine.input_processor
+        instances = [
+            BeamSearchInstance(processor.tokenize(prompt)[1], params, processor.eos_token_id())
+            for prompt in self._prompt_list(prompts)
+        ]
+        max_len = self.llm_engine.model_info.max_model_len
+        step_params = params.step_params()
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm):
+            live = [beam for instance in instances for beam in instance.beams if len(beam.tokens) < max_len]
+            if not any(instance.beams for instance in instances):
+                break
+            outputs = (
+                self.generate([{"prompt_token_ids": beam.tokens} for beam in live], step_params, False, lora_request)
+                if live
+                else []
+            )
+            step = {id(beam): output.outputs[0].logprobs[0] for beam, output in zip(live, outputs)}  # type: ignore[index]
+            for instance in instances:
+                if instance.beams:  # a beam at the context length gets None: it ends there
+                    instance.advance([step.get(id(beam)) for beam in instance.beams])
+        return [instance.result(self.get_tokenizer()) for instance in instances]
 
     # ---- pooling models -----------------------------------------------------------------------
     def encode(

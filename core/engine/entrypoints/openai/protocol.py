@@ -230,6 +230,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[Count] = None
     echo: bool = False
     suffix: Optional[str] = None
+    # vLLM's beam search: the best n beams (n is the beam width), ranked with length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]

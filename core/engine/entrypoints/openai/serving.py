@@ -239,7 +239,12 @@ class OpenAIServing:
                 raise RuntimeError(f"request {request.request_id} ended without an output")
             return final
 
-        tasks = [asyncio.create_task(last(request)) for request in prepared]
+        return await self.watched([last(request) for request in prepared], http_request)
+
+    async def watched(self, coroutines: list, http_request: Request) -> list:
+        """Run ``coroutines`` to their results; a client that goes away, a failure or a shutdown cancels them all
+        (a cancelled generation aborts its request in the engine)."""
+        tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
         try:
             while True:
                 done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
@@ -251,7 +256,7 @@ class OpenAIServing:
                     raise APIError("client disconnected", 499)
         finally:
             for task in tasks:
-                task.cancel()  # cancelling a prompt's generator aborts its request in the engine
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def merged(self, engine, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:

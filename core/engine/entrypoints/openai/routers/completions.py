@@ -7,6 +7,7 @@ from typing import Optional
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from engine.beam_search import BeamSearchParams
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from engine.entrypoints.openai.serving import OpenAIServing, get_serving
@@ -63,6 +64,8 @@ async def completions(body: CompletionRequest, http_request: Request, serving: O
     params = body.sampling_params(body.max_tokens, body.logprobs, 16)
     prompts = await serving.tokenized(engine, completion_prompts(body.prompt))
     request_id = random_id("cmpl")
+    if body.use_beam_search:
+        return await beam_search_completions(body, http_request, serving, engine, prompts, request_id, lora_request)
     prepared = await serving.prepare_off_loop(engine, prompts, params, request_id, lora_request, body.priority)
     serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
     model = lora_request.lora_name if lora_request is not None else serving.model_name
@@ -95,3 +98,63 @@ async def completions(body: CompletionRequest, http_request: Request, serving: O
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     events = stream_choices(serving.merged(engine, prepared), params.n, header, choice, include_usage, request_id)
     return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def beam_search_completions(
+    body: CompletionRequest, http_request: Request, serving: OpenAIServing, engine, prompts, request_id, lora_request
+):
+    """``use_beam_search``: the best ``n`` beams of each prompt as its ``n`` choices (vLLM's beam search)."""
+    for name, refused in (("stream", body.stream), ("logprobs", body.logprobs is not None)):
+        if refused:
+            raise APIError(f"{name} is not supported with use_beam_search", 400, name)
+    try:
+        params = BeamSearchParams(
+            body.n, body.max_tokens if body.max_tokens is not None else 16, body.ignore_eos, body.length_penalty
+        )
+    except ValueError as exc:
+        raise APIError(str(exc), 400, "n" if "beam_width" in str(exc) else "max_tokens") from None
+    # each prompt checked (and reserved in the admission caps) as the one request it would be without beams
+    single = body.sampling_params(params.max_tokens, None, 16).for_child(0)
+    prepared = await serving.prepare_off_loop(engine, prompts, single, request_id, lora_request, body.priority)
+    serving.admit(prepared)
+    try:
+        for request in prepared:
+            serving.admission.started(request.request_id)
+        outputs = await serving.watched(
+            [
+                engine.beam_search(
+                    {"prompt_token_ids": request.requests[0].prompt_token_ids}, params, request.request_id, lora_request
+                )
+                for request in prepared
+            ],
+            http_request,
+        )
+    finally:
+        for request in prepared:
+            serving.admission.release(request.request_id)
+    choices = [
+        {
+            "index": i * params.beam_width + j,
+            "text": beam.text,
+            "logprobs": None,
+            "finish_reason": beam.finish_reason,
+            "stop_reason": None,
+        }
+        for i, output in enumerate(outputs)
+        for j, beam in enumerate(output.sequences)
+    ]
+    num_prompt = sum(request.num_prompt_tokens for request in prepared)
+    num_completion = sum(len(beam.output_token_ids) for output in outputs for beam in output.sequences)
+    model = lora_request.lora_name if lora_request is not None else serving.model_name
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+        },
+    }
