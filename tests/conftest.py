@@ -64,7 +64,7 @@ def tiny_llama(make_tiny_model) -> str:
 @pytest.fixture(scope="session")
 def features_server(tiny_llama):
     """`engine serve` on the tiny model with what the client-feature tests use (issue 43): the Responses API's
-    store, beam search, priority scheduling, the deepseek_r1 reasoning parser and the hermes tool-call parser."""
+    store, beam search, priority scheduling, the qwen3 reasoning parser and the hermes tool-call parser."""
     from tests.helpers import Server
 
     srv = Server(
@@ -79,7 +79,7 @@ def features_server(tiny_llama):
         "--max-model-len",
         "512",
         "--reasoning-parser",
-        "deepseek_r1",
+        "qwen3",
         "--tool-call-parser",
         "hermes",
         "--scheduling-policy",

@@ -12,7 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.reasoning.think_tags import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from engine.sample.builtin_logits_processors import ThinkingBudgetLogitsProcessor
-from tests.helpers import assert_all_blocks_free
+from tests.helpers import Server, assert_all_blocks_free
 
 
 def stream_through(parser_cls, text: str, seed: int) -> tuple[str, str]:
@@ -77,8 +77,23 @@ def test_thinking_budget_in_the_engine(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def server(features_server):
-    return features_server
+def server(tiny_llama):
+    srv = Server(
+        "--model",
+        tiny_llama,
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "32MiB",
+        "--max-model-len",
+        "512",
+        "--reasoning-parser",
+        "deepseek_r1",
+    )
+    yield srv
+    srv.stop()
 
 
 THINK_THEN_ANSWER = {"regex": "<think>[a-z]{2,8}( [a-z]{2,8}){1,3}</think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}"}

@@ -599,6 +599,15 @@ class ServerConfig(_Section):
     )
     tool_call_parser: str = Field("none", description=KINDS["tool_parser"].choice_help)
     reasoning_parser: str = Field("none", description=KINDS["reasoning_parser"].choice_help)
+    responses_store_max_entries: int = Field(
+        1000,
+        ge=0,
+        description="the Responses API keeps at most this many responses made with store=true in memory "
+        "(for GET /v1/responses/{id} and previous_response_id); the oldest goes first; 0 stores none",
+    )
+    responses_store_ttl: float = Field(
+        3600.0, gt=0, description="seconds a stored response is kept (then it is forgotten)"
+    )
     shutdown_grace_period: float = Field(
         5.0,
         ge=0,

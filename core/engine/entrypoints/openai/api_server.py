@@ -19,7 +19,7 @@ import engine as engine_pkg
 from engine.config import VllmConfig
 from engine.entrypoints.openai.errors import install_exception_handlers
 from engine.entrypoints.openai.middleware import ApiKeyMiddleware, RequestGuardMiddleware
-from engine.entrypoints.openai.routers import chat, completions, health, models, pooling, shadow
+from engine.entrypoints.openai.routers import chat, completions, health, models, pooling, responses, shadow
 from engine.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("engine.server")
@@ -50,7 +50,15 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestGuardMiddleware, max_body_bytes=int(config.server.max_request_body_bytes))
     install_exception_handlers(app)
-    for router in (health.router, models.router, completions.router, chat.router, pooling.router, shadow.router):
+    for router in (
+        health.router,
+        models.router,
+        completions.router,
+        chat.router,
+        responses.router,
+        pooling.router,
+        shadow.router,
+    ):
         app.include_router(router)
     return app
 

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from engine.sampling_params import StructuredOutputsParams
+
+
+def splits_reasoning(constraint: Optional[StructuredOutputsParams]) -> bool:
+    """Whether an output under ``constraint`` can hold reasoning: a JSON constraint (a JSON response format, a named
+    or required tool choice) makes the whole output the answer; a regex, grammar or choice may write the reasoning
+    itself, and an unconstrained output is split."""
+    return constraint is None or (constraint.json is None and not constraint.json_object)
+
 
 class ReasoningSplitter:
     """Splits one choice's output with the reasoning parser (``server.reasoning_parser``); without one, the whole

@@ -17,6 +17,7 @@ from engine.entrypoints.openai.admission import AdmissionControl
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.lora_adapters import ServedAdapters
 from engine.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from engine.entrypoints.openai.responses_store import ResponseStore
 from engine.frontend.input_processor import PreparedRequest
 from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput
@@ -47,6 +48,7 @@ class OpenAIServing:
             None if config.server.max_waiting_tokens is None else -(-config.server.max_waiting_tokens // servers),
             on_refused=lambda reason: self.metrics.requests_refused.labels(self.model_name, reason).inc(),
         )
+        self.responses = ResponseStore(config.server.responses_store_max_entries, config.server.responses_store_ttl)
         self.engine = None  # AsyncLLM, once loaded
         self.shadow = None  # ShadowMirror, when shadow.overrides are set (started once the engine is up)
         self.load_error: Optional[str] = None

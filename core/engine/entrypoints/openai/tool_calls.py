@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from engine.entrypoints.openai.errors import APIError
 from engine.interfaces.base import SelectionContext
@@ -22,9 +23,31 @@ from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.config import VllmConfig
-    from engine.entrypoints.openai.protocol import ChatCompletionRequest
+    from engine.entrypoints.openai.protocol import ChatCompletionTool, NamedToolChoice
 
 ANY_OBJECT = {"type": "object"}
+
+
+class ToolRequest(Protocol):
+    """What a tool plan reads of a request: a chat completion's body, or ``ToolFields`` (the Responses API)."""
+
+    @property
+    def tools(self) -> Optional[list[ChatCompletionTool]]: ...
+
+    @property
+    def tool_choice(self) -> Optional[Union[str, NamedToolChoice]]: ...
+
+    @property
+    def parallel_tool_calls(self) -> Optional[bool]: ...
+
+
+@dataclass
+class ToolFields:
+    """The tool fields of a request that is not a chat completion, in the chat form."""
+
+    tools: Optional[list[ChatCompletionTool]]
+    tool_choice: Optional[Union[str, NamedToolChoice]]
+    parallel_tool_calls: Optional[bool]
 
 
 def select_tool_parser(vllm_config: VllmConfig) -> Optional[type]:
@@ -38,7 +61,7 @@ def select_tool_parser(vllm_config: VllmConfig) -> Optional[type]:
 class ToolCallPlan:
     """What a chat request's ``tools`` / ``tool_choice`` ask for; 400 (APIError) for an inconsistent pair."""
 
-    def __init__(self, body: ChatCompletionRequest, parser_cls: Optional[type]):
+    def __init__(self, body: ToolRequest, parser_cls: Optional[type]):
         self.tools = {tool.function.name: tool.function for tool in body.tools or []}
         self.parallel = body.parallel_tool_calls is not False
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if self.tools else "none")

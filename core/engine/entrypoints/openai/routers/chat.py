@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
-from engine.entrypoints.openai.reasoning import ReasoningSplitter
+from engine.entrypoints.openai.reasoning import ReasoningSplitter, splits_reasoning
 from engine.entrypoints.openai.serving import OpenAIServing, get_serving
 from engine.entrypoints.openai.streaming import stream_choices, usage
 from engine.entrypoints.openai.tool_calls import ToolCallPlan, ToolCallStreamer, select_tool_parser
@@ -72,7 +72,8 @@ async def chat_completions(
         plan.template_tools,
         body.chat_template_kwargs,
     )
-    reasoning_cls = engine.input_processor.reasoning_parser_cls
+    constraint = tool_constraint if tool_constraint is not None else body.constraint()
+    reasoning_cls = engine.input_processor.reasoning_parser_cls if splits_reasoning(constraint) else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, engine.model_info.max_model_len - len(prompt_ids))
     params = body.sampling_params(
