@@ -18,7 +18,10 @@ WEATHER = {
     "description": "The weather in a city",
     "parameters": {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
         "required": ["city", "days"],
         "additionalProperties": False,
     },
@@ -102,7 +105,12 @@ def test_named_function_tool_and_previous_response_id(client):
         model="tiny",
         input=[
             {"role": "user", "content": "What is the weather in Paris?"},
-            {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": "get_weather",
+                "arguments": calls[0].arguments,
+            },
             {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"sky": "clear"}'},
         ],
         tools=[WEATHER],
@@ -126,7 +134,9 @@ def test_text_format_json_schema(client):
 
 def test_reasoning_items(client):
     regex = {"regex": "<think>[a-z]{2,8}( [a-z]{2,8}){1,3}</think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}"}
-    kwargs = dict(model="tiny", input="think", max_output_tokens=80, temperature=0, extra_body={"structured_outputs": regex})
+    kwargs = dict(
+        model="tiny", input="think", max_output_tokens=80, temperature=0, extra_body={"structured_outputs": regex}
+    )
     response = client.responses.create(**kwargs)
     assert [item.type for item in response.output] == ["reasoning", "message"]
     reasoning = response.output[0].content[0].text
@@ -144,7 +154,10 @@ def test_reasoning_items(client):
         ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input[0].type"),
         ({"input": "hi", "previous_response_id": "resp_missing"}, "previous_response_id"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
         ({"input": []}, "input"),
         ({"input": "hi", "tool_choice": "auto"}, "tool_choice"),
         ({"input": "hi", "temperature": -1}, "temperature"),

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from engine.interfaces.base import SelectionContext
+from engine.interfaces.reasoning_parser import ReasoningParser
 from engine.plugins import get_plugin_manager
 
 if TYPE_CHECKING:
     from engine.config import VllmConfig
 
 
-def select_reasoning_parser(vllm_config: VllmConfig) -> Optional[type]:
+def select_reasoning_parser(vllm_config: VllmConfig) -> Optional[type[ReasoningParser]]:
     """The configured reasoning parser class, or None when ``server.reasoning_parser`` is ``none``."""
     name = vllm_config.server.reasoning_parser
     if name == "none":
@@ -19,7 +20,7 @@ def select_reasoning_parser(vllm_config: VllmConfig) -> Optional[type]:
     return get_plugin_manager().select("reasoning_parser", name, SelectionContext(vllm_config)).cls
 
 
-def reasoning_tag_token_ids(parser_cls: type, tokenizer: Any) -> tuple[list[int], list[int]]:
+def reasoning_tag_token_ids(parser_cls: type[ReasoningParser], tokenizer: Any) -> tuple[list[int], list[int]]:
     """(what opens the reasoning, what closes it) as token ids; the opening is empty when the output starts in it."""
     start = (
         []

@@ -84,7 +84,7 @@ class ResponseBuilder:
         else:
             part = item["content"][0]
             kind = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra: dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
             self.event(kind, **where, content_index=0, text=part["text"], **extra)
             self.event("response.content_part.done", **where, content_index=0, part=part)
         item["status"] = status
@@ -95,6 +95,7 @@ class ResponseBuilder:
             return self.open
         self.close_item()
         part: dict[str, Any] = {"type": part_type, "text": ""}
+        item: dict[str, Any]
         if kind == "message":
             part["annotations"] = []
             item = {
