@@ -3,7 +3,9 @@ typed event sequence, function tools, reasoning items, structured text, the stor
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
@@ -179,3 +181,81 @@ def test_the_store_is_bounded_by_size_and_age():
     assert store.get("a") is None and store.get("b") is not None and len(store) == 2  # the oldest went first
     clock[0] = 10.5
     assert store.get("b") is None and len(store) == 0  # expired
+
+
+def test_auto_tool_calls_are_read_from_the_answer_after_the_reasoning(client):
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,8}", "days": [1-9]\}\}\n</tool_call>'
+    regex = {"regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,3}</think>\n" + call}
+    kwargs = dict(
+        model="tiny",
+        input="Weather?",
+        tools=[WEATHER],
+        max_output_tokens=120,
+        temperature=0,
+        extra_body={"structured_outputs": regex},
+    )
+    response = client.responses.create(**kwargs)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    assert response.output[1].name == "get_weather" and json.loads(response.output[1].arguments)["days"] >= 1
+    with client.responses.stream(**kwargs) as stream:
+        streamed = stream.get_final_response()
+    assert [item.type for item in streamed.output] == ["reasoning", "function_call"]
+    assert streamed.output[1].arguments == response.output[1].arguments
+
+
+def test_priorities_are_served_and_disconnects_leave_no_kv_in_use(features_server):
+    from tests.test_server import metric
+
+    url = features_server.url
+
+    async def responses_stream(index: int, disconnect: bool) -> int:
+        body = {
+            "model": "tiny",
+            "input": f"request {index}",
+            "max_output_tokens": 30,
+            "stream": True,
+            "priority": index % 3,
+        }
+        events = 0
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", url + "/v1/responses", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("event: "):
+                        events += 1
+                        if disconnect and events == 6:
+                            return -1
+        return events
+
+    async def beam_search_cut_short() -> None:
+        body = {"prompt": "beams", "max_tokens": 200, "n": 4, "use_beam_search": True, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=1.0) as http:
+            with pytest.raises(httpx.TimeoutException):
+                await http.post(url + "/v1/completions", json=body)
+
+    async def run():
+        return await asyncio.gather(
+            *(responses_stream(i, False) for i in range(6)),
+            *(responses_stream(i, True) for i in range(6)),
+            beam_search_cut_short(),
+        )
+
+    results = asyncio.run(run())
+    assert all(r > 6 for r in results[:6]) and all(r == -1 for r in results[6:12])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+        metric(features_server, "engine_kv_cache_usage_perc") > 0
+        or metric(features_server, "engine_num_requests_running") > 0
+    ):
+        time.sleep(0.2)
+    assert metric(features_server, "engine_kv_cache_usage_perc") == 0.0
+    assert metric(features_server, "engine_num_requests_running") == 0.0
+    generated = metric(features_server, "engine_generation_tokens_total")
+    time.sleep(1.5)  # the beam search cut short took no further steps: nothing is generated any more
+    assert metric(features_server, "engine_generation_tokens_total") == generated
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -3},
+        timeout=30,
+    )
+    assert chat.status_code == 200, chat.text
