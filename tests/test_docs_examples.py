@@ -36,6 +36,7 @@ def test_every_example_defines_a_plugin_class(examples):
         "MyLlamaForCausalLM",
         "DigitsOnly",
         "BucketResolver",
+        "ThoughtBlock",
     }
     assert names <= set(examples)
     assert all(issubclass(examples[n], Pluggable) for n in names - {"MyLlamaForCausalLM"})
@@ -106,3 +107,22 @@ def test_the_resolver_example_finds_its_adapters(examples):
     found = asyncio.run(resolver.resolve_lora("tiny", "sql"))
     assert found is not None and (found.lora_name, found.lora_path) == ("sql", "/srv/adapters/tiny-sql")
     assert asyncio.run(resolver.resolve_lora("tiny", "other")) is None
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[thought]weigh it[/thought]Yes.", ("weigh it", "Yes.")),
+        ("Just yes.", (None, "Just yes.")),
+        ("[tho", (None, "[tho")),
+    ],
+)
+def test_the_reasoning_parser_example_streams_what_it_splits(examples, text, expected):
+    parser_cls = examples["ThoughtBlock"]
+    assert parser_cls(None).extract_reasoning(text) == expected
+    parser, reasoning, answer = parser_cls(None), "", ""
+    for end in range(1, len(text) + 1):
+        delta = parser.extract_reasoning_streaming(text[:end], end == len(text))
+        reasoning += delta.reasoning_content or ""
+        answer += delta.content or ""
+    assert (reasoning or None, answer or None) == expected

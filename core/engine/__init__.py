@@ -24,6 +24,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "BeamSearchParams",
     "PoolingParams",
     "StructuredOutputsParams",
     "LoRARequest",
@@ -45,6 +46,10 @@ def __getattr__(name):  # LLM pulls in torch and transformers: import it on firs
         from engine.frontend.async_llm import AsyncLLM
 
         return AsyncLLM
+    if name == "BeamSearchParams":
+        from engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name in ("EngineDeadError", "EngineGenerateError", "EngineUnavailableError"):
         from engine import errors
 
