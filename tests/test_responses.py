@@ -163,6 +163,7 @@ def test_reasoning_items(client):
         ({"input": []}, "input"),
         ({"input": "hi", "tool_choice": "auto"}, "tool_choice"),
         ({"input": "hi", "temperature": -1}, "temperature"),
+        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ],
@@ -250,9 +251,9 @@ def test_priorities_are_served_and_disconnects_leave_no_kv_in_use(features_serve
         time.sleep(0.2)
     assert metric(features_server, "engine_kv_cache_usage_perc") == 0.0
     assert metric(features_server, "engine_num_requests_running") == 0.0
-    generated = metric(features_server, "engine_generation_tokens_total")
-    time.sleep(1.5)  # the beam search cut short took no further steps: nothing is generated any more
-    assert metric(features_server, "engine_generation_tokens_total") == generated
+    received = metric(features_server, "engine_num_requests_received")
+    time.sleep(1.5)  # the beam search cut short takes no further step: no beam request reaches the engine any more
+    assert metric(features_server, "engine_num_requests_received") == received
     chat = httpx.post(
         url + "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -3},

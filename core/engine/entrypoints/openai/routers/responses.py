@@ -73,7 +73,7 @@ class ResponseRun:
                 structured_outputs=constraint if constraint is not None else body.constraint(),
             )
         except InvalidParameterError as exc:
-            raise APIError(str(exc), 400, PARAM_NAMES.get(exc.param or "", exc.param)) from None
+            raise APIError(str(exc), exc.code, PARAM_NAMES.get(exc.param or "", exc.param)) from None
 
     # ---- the response object --------------------------------------------------------------------
     def response(self, status: str, output: Optional[RequestOutput] = None, error: Optional[dict] = None) -> dict:
@@ -223,9 +223,12 @@ async def create_response(body: ResponsesRequest, http_request: Request, serving
         body.template_kwargs(),
     )
     params = run.sampling_params(len(prompt_ids))
-    prepared = await serving.prepare_off_loop(
-        engine, [{"prompt_token_ids": prompt_ids}], params, run.id, lora_request, body.priority
-    )
+    try:
+        prepared = await serving.prepare_off_loop(
+            engine, [{"prompt_token_ids": prompt_ids}], params, run.id, lora_request, body.priority
+        )
+    except InvalidParameterError as exc:  # the context-length check names max_tokens: here max_output_tokens
+        raise APIError(str(exc), exc.code, PARAM_NAMES.get(exc.param or "", exc.param)) from None
     serving.admit(prepared)  # 503 with Retry-After when the server is at its admission caps
     if body.stream:
         return StreamingResponse(run.stream(prepared, run.id), media_type="text/event-stream")
