@@ -201,6 +201,7 @@ class AsyncLLM:
         params: BeamSearchParams,
         request_id: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> BeamSearchOutput:
         """Beam search over one prompt (``engine.beam_search``): each step runs the live beams as concurrent
         one-token requests that share their prefixes through the prefix cache; cancelling aborts them."""
@@ -214,7 +215,9 @@ class AsyncLLM:
             if len(tokens) >= max_len:
                 return None  # at the context length: the beam ends
             final = None
-            prepared = self.prepare({"prompt_token_ids": tokens}, step_params, beam_id, lora_request=lora_request)
+            prepared = self.prepare(
+                {"prompt_token_ids": tokens}, step_params, beam_id, lora_request=lora_request, priority=priority
+            )
             async for final in self.generate(prepared):  # noqa: B007 (the last one)
                 pass
             assert final is not None and final.outputs[0].logprobs  # generate raises rather than end without output

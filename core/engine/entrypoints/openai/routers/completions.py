@@ -123,7 +123,11 @@ async def beam_search_completions(
         outputs = await serving.watched(
             [
                 engine.beam_search(
-                    {"prompt_token_ids": request.requests[0].prompt_token_ids}, params, request.request_id, lora_request
+                    {"prompt_token_ids": request.requests[0].prompt_token_ids},
+                    params,
+                    request.request_id,
+                    lora_request,
+                    body.priority,
                 )
                 for request in prepared
             ],
