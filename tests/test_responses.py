@@ -165,6 +165,8 @@ def test_reasoning_items(client):
         ({"input": "hi", "temperature": -1}, "temperature"),
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ],
 )

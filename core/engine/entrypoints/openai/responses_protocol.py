@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import (
@@ -95,6 +95,9 @@ class ResponsesRequest(_Request):
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     truncation: Optional[Literal["disabled"]] = None  # "auto" (drop old turns to fit) is not served
+    background: Optional[bool] = None  # true is not served (responses run while their request is open)
+    include: Optional[list[str]] = None  # "reasoning.encrypted_content" only: reasoning is returned in clear
+    stream_options: Optional[dict[str, Any]] = None  # include_obfuscation: no effect (nothing is padded)
     # OpenAI fields without effect here
     service_tier: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -107,6 +110,21 @@ class ResponsesRequest(_Request):
     priority: int = 0
     chat_template_kwargs: Optional[dict[str, Any]] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
+
+    @field_validator("background")
+    @classmethod
+    def _foreground_only(cls, value: Optional[bool]) -> Optional[bool]:
+        if value:
+            raise ValueError("background responses are not served here (leave it unset or false)")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _served_includes(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        unserved = sorted(set(value or ()) - {"reasoning.encrypted_content"})
+        if unserved:
+            raise ValueError(f"{unserved} are not served here (reasoning.encrypted_content is accepted)")
+        return value
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
         """The output constraint of ``text.format`` or vLLM's ``structured_outputs`` (at most one)."""
