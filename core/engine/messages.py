@@ -37,6 +37,26 @@ class EngineCoreOutput(msgspec.Struct):
     pooling_output: Optional[list[float]] = None  # a pooling request's result (with finish_reason "stop")
 
 
+class StepCounters(msgspec.Struct):
+    """What the engine core's steps did since start: the live view turns their differences into rates."""
+
+    num_steps: int = 0  # steps that ran a model forward
+    step_seconds: float = 0.0  # their time, from plan to applied output
+    num_scheduled_requests: int = 0  # the batch sizes added up
+    num_prompt_tokens: int = 0  # prompt positions computed (prefill, recomputation included)
+    num_generated_tokens: int = 0  # tokens appended to outputs
+
+    @classmethod
+    def total(cls, counters: list[StepCounters]) -> StepCounters:
+        return cls(
+            sum(c.num_steps for c in counters),
+            sum(c.step_seconds for c in counters),
+            sum(c.num_scheduled_requests for c in counters),
+            sum(c.num_prompt_tokens for c in counters),
+            sum(c.num_generated_tokens for c in counters),
+        )
+
+
 class SchedulerStats(msgspec.Struct):
     """Counters for logs, metrics and tests."""
 
@@ -54,6 +74,7 @@ class SchedulerStats(msgspec.Struct):
     per_rank: list[SchedulerStats] = []  # in a total over DP ranks: each rank's own counters
     # MoE models: tokens routed to each expert since start, per MoE layer index (empty for dense models)
     expert_load: dict[int, list[int]] = {}
+    steps: StepCounters = msgspec.field(default_factory=StepCounters)
 
     @classmethod
     def total(cls, per_rank: list[SchedulerStats]) -> SchedulerStats:
@@ -74,6 +95,7 @@ class SchedulerStats(msgspec.Struct):
             dp_rank=None,
             per_rank=list(per_rank),
             expert_load=_add_expert_load([s.expert_load for s in per_rank]),
+            steps=StepCounters.total([s.steps for s in per_rank]),
         )
 
 

@@ -37,7 +37,7 @@ from engine.messages import (
 )
 
 logger = logging.getLogger(__name__)
-UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "check_health"}
+UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "check_health", "describe"}
 _IDLE_POLL_MS = 500
 _REPORT_POLL_MS = 20  # idle, with a load change not reported yet
 

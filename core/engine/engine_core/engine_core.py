@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from engine.config import ConfigError, VllmConfig
 from engine.engine_core.flight_recorder import FlightRecorder, recording_header
@@ -27,12 +27,14 @@ from engine.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
-    """Choose every single-choice plugin before any weight is loaded; ConfigError if one cannot run."""
-    plugins = get_plugin_manager()
+def selection_context(vllm_config: VllmConfig, model_info: ModelInfo) -> SelectionContext:
     num_groups = len(set(model_info.layer_sliding_windows)) + int(model_info.is_hybrid)  # Mamba layers: a group
-    ctx = SelectionContext(vllm_config, model_info, num_kv_cache_groups=num_groups)
-    requested = {
+    return SelectionContext(vllm_config, model_info, num_kv_cache_groups=num_groups)
+
+
+def requested_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict[str, str]:
+    """Kind -> the implementation the config asks for (``auto`` or a name), for the kinds chosen at start."""
+    return {
         kind.name: vllm_config.get_key(kind.config_key)
         for kind in KINDS.values()
         if kind.config_key
@@ -40,6 +42,13 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
         and kind.runner in (None, model_info.runner_type)
         and vllm_config.get_key(kind.config_key) != kind.off_value
     }
+
+
+def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
+    """Choose every single-choice plugin before any weight is loaded; ConfigError if one cannot run."""
+    plugins = get_plugin_manager()
+    ctx = selection_context(vllm_config, model_info)
+    requested = requested_plugins(vllm_config, model_info)
     chosen = {kind: plugins.select(kind, name, ctx) for kind, name in requested.items()}
     for kind, impl in chosen.items():
         why = "as configured" if requested[kind] != "auto" else "auto: highest-priority available"
@@ -47,6 +56,30 @@ def select_plugins(vllm_config: VllmConfig, model_info: ModelInfo) -> dict:
     processors = plugins.active("logits_processor", ctx)
     logger.info("plugin %-21s %s", "logits_processor", ", ".join(f"{p.name} ({p.source})" for p in processors))
     return chosen
+
+
+def plugin_report(vllm_config: VllmConfig, model_info: ModelInfo, chosen: dict) -> list[dict[str, Any]]:
+    """The chosen implementation of each kind, where it comes from and why, and every other one of the kind with
+    the reason it is not used (the live view's plugin table)."""
+    rows = get_plugin_manager().table(selection_context(vllm_config, model_info))
+    requested = requested_plugins(vllm_config, model_info)
+    report = []
+    for kind, impl in chosen.items():
+        report.append(
+            {
+                "kind": kind,
+                "chosen": impl.name,
+                "source": impl.source,
+                "contract": impl.contract,
+                "why": "as configured" if requested.get(kind) != "auto" else "auto: highest-priority available",
+                "others": [
+                    {"name": row["name"], "available": row["available"] == "yes", "reason": row["reason"]}
+                    for row in rows
+                    if row["kind"] == kind and row["name"] != impl.name
+                ],
+            }
+        )
+    return report
 
 
 def check_pipeline_parallel(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
@@ -133,6 +166,7 @@ class EngineCore:
         check_hybrid_model(vllm_config, self.model_info)
         check_pooling_model(vllm_config, self.model_info)
         self.plugins = select_plugins(vllm_config, self.model_info)
+        self._description: Optional[dict[str, Any]] = None  # describe(), once asked
         check_pipeline_parallel(vllm_config, self.model_info)
         choices = {kind: impl.name for kind, impl in self.plugins.items()}
         self.executor = self.plugins["executor"].cls(vllm_config, choices)
@@ -156,6 +190,7 @@ class EngineCore:
             self.structured_output_manager,
         )
         self.batch_queue: deque = deque()
+        self.submitted_at: dict[int, float] = {}  # a step in the batch queue -> when it was submitted
         self.in_flight: list[SchedulerOutput] = []  # steps scheduled whose results are not applied yet
         self.error_outputs: list[EngineCoreOutput] = []  # requests that failed, to report with the next step
         # async scheduling: one step runs on a thread while the next is planned; pipeline parallelism: the
@@ -264,8 +299,11 @@ class EngineCore:
             return EngineCoreOutputs([], self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         self.in_flight.append(scheduler_output)
+        started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not scheduler_output.is_empty:
+            self.scheduler.step_counters.step_seconds += time.perf_counter() - started
         self.in_flight.clear()
         self._record(scheduler_output, outputs)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
@@ -282,6 +320,7 @@ class EngineCore:
                 else:
                     future = self.executor.execute_model(scheduler_output, non_block=True)
                 self.batch_queue.append((scheduler_output, future))
+                self.submitted_at[id(scheduler_output)] = time.perf_counter()
                 self.in_flight.append(scheduler_output)
                 if len(self.batch_queue) < self.batch_queue_size:
                     return EngineCoreOutputs([], self.scheduler.make_stats())  # let the next step be planned
@@ -291,6 +330,9 @@ class EngineCore:
             return EngineCoreOutputs([], self.scheduler.make_stats())
         scheduler_output, future = self.batch_queue[0]
         outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        started = self.submitted_at.pop(id(scheduler_output), None)
+        if started is not None:
+            self.scheduler.step_counters.step_seconds += time.perf_counter() - started
         self.batch_queue.popleft()
         self.in_flight.remove(scheduler_output)
         self._record(scheduler_output, outputs)
@@ -313,6 +355,7 @@ class EngineCore:
             except Exception:
                 pass
         self.batch_queue.clear()
+        self.submitted_at.clear()
         failed, self.in_flight = self.in_flight, []
         for output in failed:
             self.scheduler.step_done(output)
@@ -346,6 +389,18 @@ class EngineCore:
             stats.expert_load = self._expert_load()
             self._has_experts = bool(stats.expert_load)
         return stats
+
+    def describe(self) -> dict[str, Any]:
+        """What the live view shows of this core: the plugins chosen (and why the others are not used) and the
+        product tables its workers measured (the first worker's: each rank measures the same shapes)."""
+        if self._description is None:
+            tables = self.executor.collective_rpc("product_tables")
+            self._description = {
+                "dp_rank": self.vllm_config.parallel.data_parallel_rank,
+                "plugins": plugin_report(self.vllm_config, self.model_info, self.plugins),
+                "product_tables": next((t for t in tables if t), {}),
+            }
+        return self._description
 
     def _expert_load(self) -> dict[int, list[int]]:
         """Tokens per expert per MoE layer, from every pipeline stage (its TP ranks count the same tokens)."""

@@ -242,6 +242,12 @@ class AsyncLLM:
         self._ensure_output_handler()
         return await self.engine_core.call_utility_async("get_stats")
 
+    async def describe(self) -> list[dict]:
+        """Each live engine core's plugins (chosen, why, the others and why not) and measured product tables."""
+        self._ensure_output_handler()
+        answer = await self.engine_core.call_utility_async("describe")
+        return answer if isinstance(answer, list) else [answer]
+
     async def reset_prefix_cache(self) -> bool:
         self._ensure_output_handler()
         return await self.engine_core.call_utility_async("reset_prefix_cache")

@@ -14,7 +14,7 @@ import msgspec
 from engine.config import VllmConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.spec import KVCacheConfig
-from engine.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats
+from engine.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats, StepCounters
 from engine.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.spec_decode.dynamic import SpeculationPolicy
@@ -71,6 +71,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_requests_received = 0
+        self.step_counters = StepCounters()  # the engine core adds each step's time
         # requests of a step that failed: run one at a time until each has sampled, to find the culprit
         self.isolated: dict[str, None] = {}
         self.structured_output_manager = structured_output_manager
@@ -323,8 +324,14 @@ class Scheduler:
         if self.use_spec_decode:
             for request in self.running:  # drafts are for the step right after the one that proposed them
                 request.spec_token_ids = []
+        counters = self.step_counters
+        if plan.num_scheduled:
+            counters.num_steps += 1
+            counters.num_scheduled_requests += len(plan.num_scheduled)
         for req_id, num in plan.num_scheduled.items():
             request = self.requests[req_id]
+            start, num_prompt = request.num_computed_tokens, len(request.prompt_token_ids)
+            counters.num_prompt_tokens += max(0, min(start + num, num_prompt) - start)
             request.num_computed_tokens += num
             request.num_steps_in_flight += 1
             if (
@@ -470,6 +477,7 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
+                self.step_counters.num_generated_tokens += 1
                 if constraint is not None and constraint.grammar is not None:
                     error = self._advance_grammar(request, constraint.grammar, token_id)
                     if request.is_finished():
@@ -571,4 +579,5 @@ class Scheduler:
             else None,
             self.num_requests_received,
             self.dp_rank,
+            steps=msgspec.structs.replace(self.step_counters),
         )

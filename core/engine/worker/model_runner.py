@@ -4,6 +4,7 @@ that produce a token."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -144,6 +145,18 @@ class ModelRunner:
         if self.pooler is not None:
             assert self.model_info.pooling is not None
             self.pooling_head = PoolingHead(self.model, self.model_info.pooling, self.vllm_config.pooler)
+
+    def product_tables(self) -> dict[str, Any]:
+        """The linear products the layer kernels chose by measurement, as JSON: the float weights' table under
+        ``float``, each quantized format's under its name (empty when the kernels measure none)."""
+        kernels = self.layer_kernels or current_layer_kernels()
+        tables: dict[str, Any] = {}
+        table = getattr(kernels, "product_table", None)
+        if table is not None:
+            tables["float"] = table.to_json()
+        for fmt, quantized in getattr(kernels, "quantized_tables", {}).items():
+            tables[fmt] = quantized.to_json()
+        return json.loads(json.dumps(tables, default=str))  # plain values only (a key holds torch's version)
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE models: tokens routed to each expert since start, per MoE layer of this rank (empty when dense)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -108,6 +108,9 @@ class Worker:
 
     def expert_load(self) -> dict[int, list[int]]:
         return self.runner.expert_load()
+
+    def product_tables(self) -> dict[str, Any]:
+        return self.runner.product_tables()
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.runner.get_kv_cache_spec()

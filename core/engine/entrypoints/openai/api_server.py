@@ -19,7 +19,17 @@ import engine as engine_pkg
 from engine.config import VllmConfig
 from engine.entrypoints.openai.errors import install_exception_handlers
 from engine.entrypoints.openai.middleware import ApiKeyMiddleware, RequestGuardMiddleware
-from engine.entrypoints.openai.routers import chat, completions, health, models, pooling, responses, shadow
+from engine.entrypoints.openai.routers import (
+    chat,
+    completions,
+    console,
+    engine_status,
+    health,
+    models,
+    pooling,
+    responses,
+    shadow,
+)
 from engine.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("engine.server")
@@ -37,6 +47,7 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
         yield
         serving.cancel_start.set()
         await asyncio.shield(loader)  # the start-up thread stops its core before it returns
+        await serving.history.stop()
         if serving.shadow is not None:
             await serving.shadow.shutdown()
         if serving.engine is not None:
@@ -58,8 +69,11 @@ def build_app(config: VllmConfig, remote=None) -> FastAPI:
         responses.router,
         pooling.router,
         shadow.router,
+        engine_status.router,
     ):
         app.include_router(router)
+    if not config.server.disable_console:
+        app.include_router(console.router)
     return app
 
 
@@ -86,6 +100,7 @@ async def _load_engine(app: FastAPI, serving: OpenAIServing) -> None:
     engine = serving.engine
     assert engine is not None  # loaded
     serving.start_shadow()  # after the primary: the shadow never delays serving
+    serving.history.start(engine)  # the live view's samples (GET /v1/engine/status)
     engine.watch()  # its output handler notices cores dying (and restarts them) even while no request runs
     while not serving.cancel_start.is_set():
         if engine.errored:

@@ -14,6 +14,7 @@ from fastapi import Request
 
 from engine.config import VllmConfig
 from engine.entrypoints.openai.admission import AdmissionControl
+from engine.entrypoints.openai.engine_status import StatusHistory
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.lora_adapters import ServedAdapters
 from engine.entrypoints.openai.metrics import RequestTimer, ServerMetrics
@@ -49,6 +50,9 @@ class OpenAIServing:
             on_refused=lambda reason: self.metrics.requests_refused.labels(self.model_name, reason).inc(),
         )
         self.responses = ResponseStore(config.server.responses_store_max_entries, config.server.responses_store_ttl)
+        self.history = StatusHistory()  # the live view's samples, taken once the engine is up
+        self.descriptions: Optional[list[dict]] = None  # the engine cores' plugins and product tables, once asked
+        self.started_at = time.monotonic()
         self.engine = None  # AsyncLLM, once loaded
         self.shadow = None  # ShadowMirror, when shadow.overrides are set (started once the engine is up)
         self.load_error: Optional[str] = None
