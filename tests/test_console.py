@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -52,14 +53,14 @@ def test_status_rates_and_history_follow_a_load(features_server):
     before = httpx.get(url + "/v1/engine/status", timeout=30).json()
     body = {"prompt": "count", "max_tokens": 40, "ignore_eos": True, "n": 4}
     assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
-    deadline, status = __import__("time").monotonic() + 10, before
-    while __import__("time").monotonic() < deadline:  # the sampler takes one sample a second
+    deadline, status = time.monotonic() + 10, before
+    while time.monotonic() < deadline:  # the sampler takes one sample a second
         status = httpx.get(url + "/v1/engine/status", timeout=30).json()
         if any(point["generation_tokens_per_s"] > 0 for point in status["history"]):
             break
-        __import__("time").sleep(0.5)
+        time.sleep(0.5)
     assert status["totals"]["generated_tokens"] >= before["totals"]["generated_tokens"] + 160
-    busy = [p for p in status["history"] if p["generation_tokens_per_s"] > 0]
+    busy = [p for p in status["history"] if p["steps_per_s"] > 0]
     assert busy and all(p["mean_step_ms"] > 0 and p["mean_batch_size"] >= 1 for p in busy)
     assert status["history"][-1]["t"] <= 0
 
@@ -204,3 +205,35 @@ def test_console_asks_for_the_api_key_and_sends_it(browser, tiny_llama):
         assert all("401" in error for error in errors), errors
     finally:
         server.stop()
+
+
+def test_history_turns_counters_into_rates_and_a_chart():
+    from engine.entrypoints.openai.engine_status import StatusHistory
+    from engine.messages import SchedulerStats, StepCounters
+
+    clock = [100.0]
+    history = StatusHistory(clock=lambda: clock[0])
+    assert history.latest_rates()["generation_tokens_per_s"] == 0.0 and history.chart() == []
+    for second, (steps, seconds, requests, prompt, generated) in enumerate(
+        [(0, 0.0, 0, 0, 0), (10, 0.5, 40, 300, 40), (30, 1.5, 120, 300, 120)]
+    ):
+        clock[0] = 100.0 + second
+        history.add(
+            SchedulerStats(4, 1, 0.5, 10, 20, 0, 0, 0, steps=StepCounters(steps, seconds, requests, prompt, generated))
+        )
+    first, second = history.chart()
+    assert first == {
+        "t": -1.0,
+        "prompt_tokens_per_s": 300.0,
+        "generation_tokens_per_s": 40.0,
+        "steps_per_s": 10.0,
+        "mean_step_ms": 50.0,
+        "mean_batch_size": 4.0,
+        "running": 4,
+        "waiting": 1,
+        "kv_cache_usage": 0.5,
+    }
+    assert second["t"] == 0.0 and second["mean_step_ms"] == 50.0 and second["generation_tokens_per_s"] == 80.0
+    assert history.latest_rates()["generation_tokens_per_s"] == 60.0  # over the last samples: 120 tokens in 2 s
+    ranks = [SchedulerStats(1, 0, 0.1, 1, 2, 0, 0, 0, steps=StepCounters(2, 0.5, 3, 4, 5)) for _ in range(2)]
+    assert SchedulerStats.total(ranks).steps == StepCounters(4, 1.0, 6, 8, 10)

@@ -302,8 +302,7 @@ class EngineCore:
         started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if not scheduler_output.is_empty:
-            self.scheduler.step_counters.step_seconds += time.perf_counter() - started
+        self.scheduler.record_step(scheduler_output, time.perf_counter() - started)
         self.in_flight.clear()
         self._record(scheduler_output, outputs)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
@@ -332,7 +331,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, future.result())
         started = self.submitted_at.pop(id(scheduler_output), None)
         if started is not None:
-            self.scheduler.step_counters.step_seconds += time.perf_counter() - started
+            self.scheduler.record_step(scheduler_output, time.perf_counter() - started)
         self.batch_queue.popleft()
         self.in_flight.remove(scheduler_output)
         self._record(scheduler_output, outputs)

@@ -325,9 +325,6 @@ class Scheduler:
             for request in self.running:  # drafts are for the step right after the one that proposed them
                 request.spec_token_ids = []
         counters = self.step_counters
-        if plan.num_scheduled:
-            counters.num_steps += 1
-            counters.num_scheduled_requests += len(plan.num_scheduled)
         for req_id, num in plan.num_scheduled.items():
             request = self.requests[req_id]
             start, num_prompt = request.num_computed_tokens, len(request.prompt_token_ids)
@@ -533,6 +530,13 @@ class Scheduler:
         if grammar.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED
         return None
+
+    def record_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Count a step whose output was applied: its time (from plan to applied output) and its batch size."""
+        if not scheduler_output.is_empty:
+            self.step_counters.num_steps += 1
+            self.step_counters.step_seconds += seconds
+            self.step_counters.num_scheduled_requests += len(scheduler_output.num_scheduled_tokens)
 
     def step_done(self, scheduler_output: SchedulerOutput) -> None:
         """A scheduled step has ended (its output applied, or the step failed)."""
