@@ -43,7 +43,7 @@ def test_status_endpoint_reports_the_engine(features_server):
     attention = kinds["attention"]
     assert attention["why"] and attention["source"] and all("name" in o and "reason" in o for o in attention["others"])
     assert any(not o["available"] and o["reason"] for o in attention["others"])  # flash: no CUDA device here
-    assert len(status["dp_ranks"]) == 1 and status["spec_decoding"] is None
+    assert len(status["dp_ranks"]) == 1 and status["spec_decoding"] is None and status["shadow"] is None
     for table in status["product_tables"].values():  # the cpu kernels measure their products at start-up
         assert table["table"] and {"shape", "bucket", "chosen"} <= set(table["table"][0])
 

@@ -311,6 +311,10 @@ def test_served_dp2_behind_two_api_servers_then_a_rank_dies_and_comes_back(tiny_
                 break
         assert answered == {"0", "1"}, answered  # both API-server processes answer on the one port
         assert set(received) == {"0", "1"} and min(received.values()) >= 2, received  # both ranks served
+        status = httpx.get(srv.url + "/v1/engine/status", timeout=60).json()  # the console's view of each rank
+        assert [r["dp_rank"] for r in status["dp_ranks"]] == [0, 1], status["dp_ranks"]
+        assert min(r["requests_received"] for r in status["dp_ranks"]) >= 2
+        assert {"attention", "executor", "kv_cache_coordinator"} <= {p["kind"] for p in status["plugins"]}
 
         names["EngineCore_DP1"].kill()
         for _ in range(8):  # while rank 1 is down and restarting: healthy, and every request is answered

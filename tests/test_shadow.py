@@ -192,6 +192,8 @@ def test_a_correct_override_is_equivalent_and_the_client_sees_nothing_of_it(tiny
         assert comparison["top1_agreement"]["counted_disagreements"] == 0
         assert comparison["logprob_delta"]["mean_abs"] < TOLERANCES["float32"].logprob
         assert comparison["tpot_ratio"]["pairs"] + comparison["tpot_ratio"]["contended_pairs"] == len(PROMPTS)
+        live = httpx.get(server.url + "/v1/engine/status", timeout=60).json()["shadow"]  # the console's live view
+        assert live["verdict"] == "equivalent" and live["overrides"] == report["overrides"]
         metrics = httpx.get(server.url + "/metrics").text
         assert "engine_shadow_mirrored_total{model_name=" in metrics
         assert "engine_shadow_logprob_delta_bucket" in metrics and "engine_shadow_agreement" in metrics

@@ -109,6 +109,7 @@ def status_body(
     history: StatusHistory,
     descriptions: list[dict[str, Any]],
     adapters: list[str],
+    shadow: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The JSON of ``GET /v1/engine/status``."""
     spec = stats.spec_decoding
@@ -144,4 +145,14 @@ def status_body(
         "history": history.chart(),
         "plugins": descriptions[0]["plugins"] if descriptions else [],
         "product_tables": descriptions[0]["product_tables"] if descriptions else {},
+        # with --shadow: its state and verdicts (GET /v1/shadow has the whole comparison)
+        "shadow": None
+        if shadow is None
+        else {
+            "overrides": shadow["overrides"],
+            "state": shadow["state"],
+            "verdict": shadow["verdict"],
+            "speed_verdict": shadow["speed_verdict"],
+            "requests": shadow["requests"],
+        },
     }

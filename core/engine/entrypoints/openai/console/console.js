@@ -292,6 +292,8 @@ async function refresh() {
     $("batch").textContent = fixed(s.rates.mean_batch_size, 1);
     $("spec").textContent = s.spec_decoding ? fixed(100 * s.spec_decoding.acceptance_rate, 1) + "%" : "off";
     $("generated").textContent = s.totals.generated_tokens;
+    $("shadow-card").hidden = !s.shadow;
+    if (s.shadow) $("shadow").textContent = s.shadow.verdict + " · speed " + s.shadow.speed_verdict;
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     drawChart(s.history);
     fillTable("ranks", s.dp_ranks.map((r) => [

@@ -31,4 +31,5 @@ async def engine_status(serving: OpenAIServing = Depends(get_serving)):
         serving.history,
         descriptions,
         sorted(serving.adapters.adapters),
+        serving.shadow.report() if serving.shadow is not None else None,
     )
