@@ -61,10 +61,11 @@ def tiny_llama(make_tiny_model) -> str:
     return make_tiny_model()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def features_server(tiny_llama):
     """`engine serve` on the tiny model with what the client-feature tests use (issue 43): the Responses API's
-    store, beam search, priority scheduling, the qwen3 reasoning parser and the hermes tool-call parser."""
+    store, beam search, priority scheduling, the qwen3 reasoning parser and the hermes tool-call parser. One per
+    module: a module that checks that no process outlives the engine must not see it."""
     from tests.helpers import Server
 
     srv = Server(
