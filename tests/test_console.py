@@ -146,11 +146,12 @@ def test_console_chat_streams_and_the_live_view_moves(browser, features_server):
     assert page.evaluate("document.activeElement.id") == "send"
 
     # the live view's numbers move while a load runs
+    page.wait_for_function("Number(document.getElementById('chart-span').textContent) >= 6")  # some history first
     generated = int(page.inner_text("#generated"))
     load = threading.Thread(
         target=lambda: httpx.post(
             url + "/v1/completions",
-            json={"prompt": "load", "max_tokens": 64, "n": 6, "ignore_eos": True},
+            json={"prompt": "load", "max_tokens": 192, "n": 8, "ignore_eos": True},
             timeout=120,
         )
     )
