@@ -66,25 +66,10 @@ def features_server(tiny_llama):
     """`engine serve` on the tiny model with what the client-feature tests use (issue 43): the Responses API's
     store, beam search, priority scheduling, the qwen3 reasoning parser and the hermes tool-call parser. One per
     module: a module that checks that no process outlives the engine must not see it."""
-    from tests.helpers import Server
+    from tests.helpers import tiny_server
 
-    srv = Server(
-        "--model",
-        tiny_llama,
-        "--served-model-name",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        "32MiB",
-        "--max-model-len",
-        "512",
-        "--reasoning-parser",
-        "qwen3",
-        "--tool-call-parser",
-        "hermes",
-        "--scheduling-policy",
-        "priority",
+    srv = tiny_server(
+        tiny_llama, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--scheduling-policy", "priority"
     )
     yield srv
     srv.stop()

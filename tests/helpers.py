@@ -206,3 +206,20 @@ def rounded_copy(hf_model, fmt: str = "int8", experts_only: bool = False, keep: 
             for matrix in param.data if param.dim() == 3 else param.data[None]:
                 matrix.copy_(dequantize(quantize(matrix, fmt)))
     return rounded
+
+
+def tiny_server(model_dir: str, *flags: str, kv_cache_memory: str = "32MiB") -> Server:
+    """`engine serve` on a tiny float32 model served as ``tiny`` (context 512), with ``flags`` added."""
+    return Server(
+        "--model",
+        model_dir,
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        kv_cache_memory,
+        "--max-model-len",
+        "512",
+        *flags,
+    )

@@ -12,7 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.reasoning.think_tags import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from engine.sample.builtin_logits_processors import ThinkingBudgetLogitsProcessor
-from tests.helpers import Server, assert_all_blocks_free
+from tests.helpers import assert_all_blocks_free, tiny_server
 
 
 def stream_through(parser_cls, text: str, seed: int) -> tuple[str, str]:
@@ -78,20 +78,7 @@ def test_thinking_budget_in_the_engine(tiny_llama):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = Server(
-        "--model",
-        tiny_llama,
-        "--served-model-name",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        "32MiB",
-        "--max-model-len",
-        "512",
-        "--reasoning-parser",
-        "deepseek_r1",
-    )
+    srv = tiny_server(tiny_llama, "--reasoning-parser", "deepseek_r1")
     yield srv
     srv.stop()
 

@@ -10,7 +10,7 @@ best ``beam_width`` are returned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from engine.errors import InvalidParameterError
@@ -89,7 +89,7 @@ class BeamSearchInstance:
         candidates = []
         for beam, position in zip(self.beams, step_logprobs):
             if position is None:
-                self.completed.append(BeamSearchSequence(**{**beam.__dict__, "finish_reason": "length"}))
+                self.completed.append(replace(beam, finish_reason="length"))
                 continue
             for token_id, logprob in position.items():
                 candidates.append(

@@ -12,7 +12,7 @@ import importlib
 import importlib.metadata
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import pluggy
 
@@ -275,6 +275,17 @@ class PluginManager:
                     }
                 )
         return rows
+
+
+def configured_class(kind: str, vllm_config: Any) -> Optional[type]:
+    """The class of the implementation the config chooses for a kind chosen when first needed (tool and reasoning
+    parsers), or None when the config turns the kind off; ConfigError when it cannot run."""
+    declaration = KINDS[kind]
+    assert declaration.config_key is not None
+    name = vllm_config.get_key(declaration.config_key)
+    if name == declaration.off_value:
+        return None
+    return get_plugin_manager().select(kind, name, SelectionContext(vllm_config)).cls
 
 
 @functools.lru_cache(maxsize=1)

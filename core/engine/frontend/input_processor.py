@@ -11,13 +11,14 @@ import msgspec
 from engine.config import VllmConfig
 from engine.errors import InvalidParameterError
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.reasoning_tags import reasoning_tag_token_ids, select_reasoning_parser
+from engine.frontend.reasoning_tags import reasoning_tag_token_ids
 from engine.lora.adapter import LoRAAdapterError
 from engine.lora.checker import LoRAAdapterChecker
 from engine.lora_request import LoRARequest
 from engine.messages import EngineCoreRequest
 from engine.model.model_info import TOKEN_TYPE_SHIFT, ModelInfo, resolve_model
 from engine.model.tokenizer import get_tokenizer
+from engine.plugins import configured_class
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output.validation import StructuredOutputsValidator
@@ -261,7 +262,7 @@ def build_front_end(vllm_config: VllmConfig) -> tuple[ModelInfo, Any, InputProce
             validator,
             LoRAAdapterChecker(vllm_config.lora, model_info.hf_config),
             vllm_config.scheduler.policy,
-            select_reasoning_parser(vllm_config),
+            configured_class("reasoning_parser", vllm_config),
         ),
         OutputProcessor(tokenizer),
     )

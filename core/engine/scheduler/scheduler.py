@@ -108,8 +108,8 @@ class Scheduler:
         """Queue a request to wait: under fcfs at the back (``front``: a preempted one, at the front); under the
         priority policy at its place by (priority, arrival)."""
         if self.priority_policy:
-            keys = [r.priority_key for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, request.priority_key), request)
+            place = bisect.bisect_right(self.waiting, request.priority_key, key=lambda r: r.priority_key)
+            self.waiting.insert(place, request)
         elif front:
             self.waiting.appendleft(request)
         else:
@@ -474,13 +474,13 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
-                self.step_counters.num_generated_tokens += 1
                 if constraint is not None and constraint.grammar is not None:
                     error = self._advance_grammar(request, constraint.grammar, token_id)
                     if request.is_finished():
                         break
                 if self._check_stop(request):
                     break
+            self.step_counters.num_generated_tokens += len(new_token_ids)
             if request.is_finished():
                 # a request preempted while its step was in flight sits in the waiting queue
                 (self.running if request in self.running else self.waiting).remove(request)

@@ -11,6 +11,7 @@ from engine.entrypoints.openai.protocol import (
     ChatCompletionTool,
     Count,
     FunctionDefinition,
+    Int64,
     NamedFunction,
     NamedToolChoice,
     StructuredOutputsRequest,
@@ -103,11 +104,11 @@ class ResponsesRequest(_Request):
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     # vLLM's extras
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    seed: Optional[int] = None
-    priority: int = 0
+    seed: Optional[Int64] = None
+    priority: Int64 = 0
     chat_template_kwargs: Optional[dict[str, Any]] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
 

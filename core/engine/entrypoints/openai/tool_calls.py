@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from engine.entrypoints.openai.errors import APIError
-from engine.interfaces.base import SelectionContext
 from engine.interfaces.tool_parser import DeltaMessage, ToolCall, ToolParser
-from engine.plugins import get_plugin_manager
+from engine.plugins import configured_class
 from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -52,10 +51,7 @@ class ToolFields:
 
 def select_tool_parser(vllm_config: VllmConfig) -> Optional[type]:
     """The configured tool-call parser class, or None when ``server.tool_call_parser`` is ``none``."""
-    name = vllm_config.server.tool_call_parser
-    if name == "none":
-        return None
-    return get_plugin_manager().select("tool_parser", name, SelectionContext(vllm_config)).cls
+    return configured_class("tool_parser", vllm_config)
 
 
 class ToolCallPlan:
@@ -117,6 +113,23 @@ class ToolCallPlan:
             array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
             return StructuredOutputsParams(json=array if self.parallel else {**array, "maxItems": 1})
         return None
+
+    def output_constraint(
+        self, requested: Optional[StructuredOutputsParams], requested_by: str
+    ) -> Optional[StructuredOutputsParams]:
+        """The request's output constraint: the tool choice's, or ``requested`` (the request's own, named by
+        ``requested_by``); a 400 when both constrain the output."""
+        constraint = self.constraint()
+        if constraint is None:
+            return requested
+        if requested is not None:
+            raise APIError(
+                f"tool_choice {self.mode!r} constrains the output to a tool call; it cannot be combined with "
+                f"{requested_by}",
+                400,
+                "tool_choice",
+            )
+        return constraint
 
     def message(self, text: str, tokenizer) -> tuple[dict[str, Any], bool]:
         """(the assistant message for a finished answer, whether it holds tool calls)."""

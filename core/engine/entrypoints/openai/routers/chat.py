@@ -55,14 +55,7 @@ async def chat_completions(
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise APIError("top_logprobs must be in [0, 20]", 400, "top_logprobs")
     plan = ToolCallPlan(body, select_tool_parser(serving.config) if body.tools else None)
-    tool_constraint = plan.constraint()
-    if tool_constraint is not None and body.constraint() is not None:
-        raise APIError(
-            f"tool_choice {plan.mode!r} constrains the output to a tool call; it cannot be combined with "
-            "response_format or structured_outputs",
-            400,
-            "tool_choice",
-        )
+    constraint = plan.output_constraint(body.constraint(), "response_format or structured_outputs")
     prompt_ids = await asyncio.to_thread(
         serving.chat_prompt_ids,
         engine,
@@ -72,12 +65,11 @@ async def chat_completions(
         plan.template_tools,
         body.chat_template_kwargs,
     )
-    constraint = tool_constraint if tool_constraint is not None else body.constraint()
     reasoning_cls = engine.input_processor.reasoning_parser_cls if splits_reasoning(constraint) else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, engine.model_info.max_model_len - len(prompt_ids))
     params = body.sampling_params(
-        max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max, tool_constraint
+        max_tokens, (body.top_logprobs or 0) if body.logprobs else None, default_max, constraint
     )
     prompt = {"prompt_token_ids": prompt_ids, **({"cache_salt": body.cache_salt} if body.cache_salt else {})}
     request_id = random_id("chatcmpl")

@@ -40,24 +40,12 @@ class ResponseRun:
             ToolFields(tools, body.chat_tool_choice(), body.parallel_tool_calls),
             select_tool_parser(serving.config) if tools else None,
         )
-        constraint = self.plan.constraint()
-        self.reasoning_cls = (
-            engine.input_processor.reasoning_parser_cls
-            if splits_reasoning(constraint if constraint is not None else body.constraint())
-            else None
-        )
+        self.constraint = self.plan.output_constraint(body.constraint(), "text.format or structured_outputs")
+        self.reasoning_cls = engine.input_processor.reasoning_parser_cls if splits_reasoning(self.constraint) else None
         self.builder = ResponseBuilder()
 
     def sampling_params(self, num_prompt_tokens: int) -> SamplingParams:
         body = self.body
-        constraint = self.plan.constraint()
-        if constraint is not None and body.constraint() is not None:
-            raise APIError(
-                f"tool_choice {self.plan.mode!r} constrains the output to a tool call; it cannot be combined with "
-                "text.format",
-                400,
-                "tool_choice",
-            )
         max_tokens = body.max_output_tokens
         try:
             return SamplingParams(
@@ -70,7 +58,7 @@ class ResponseRun:
                 max_tokens=max_tokens
                 if max_tokens is not None
                 else max(1, self.engine.model_info.max_model_len - num_prompt_tokens),
-                structured_outputs=constraint if constraint is not None else body.constraint(),
+                structured_outputs=self.constraint,
             )
         except InvalidParameterError as exc:
             raise APIError(str(exc), exc.code, PARAM_NAMES.get(exc.param or "", exc.param)) from None
@@ -151,9 +139,10 @@ class ResponseRun:
 
     async def stream(self, prepared, request_id: str) -> AsyncIterator[str]:
         builder = self.builder
-        yield sse(builder.event("response.created", response=self.response("in_progress")))
-        yield sse(builder.event("response.in_progress", response=self.response("in_progress")))
-        builder.take_events()
+        builder.event("response.created", response=self.response("in_progress"))
+        builder.event("response.in_progress", response=self.response("in_progress"))
+        for event in builder.take_events():
+            yield sse(event)
         splitter = ReasoningSplitter(self.reasoning_cls, self.engine.tokenizer)
         streamer = self.plan.streamer(self.engine.tokenizer)
         final: Optional[RequestOutput] = None
