@@ -12,6 +12,7 @@ from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from engine.entrypoints.openai.serving import OpenAIServing, get_serving
 from engine.entrypoints.openai.streaming import stream_choices, usage
+from engine.errors import InvalidParameterError
 
 router = APIRouter()
 
@@ -111,8 +112,8 @@ async def beam_search_completions(
         params = BeamSearchParams(
             body.n, body.max_tokens if body.max_tokens is not None else 16, body.ignore_eos, body.length_penalty
         )
-    except ValueError as exc:
-        raise APIError(str(exc), 400, "n" if "beam_width" in str(exc) else "max_tokens") from None
+    except InvalidParameterError as exc:  # the beam width is the request's n
+        raise APIError(str(exc), 400, "n" if exc.param == "beam_width" else exc.param) from None
     # each prompt checked (and reserved in the admission caps) as the one request it would be without beams
     single = body.sampling_params(params.max_tokens, None, 16).for_child(0)
     prepared = await serving.prepare_off_loop(engine, prompts, single, request_id, lora_request, body.priority)
