@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import time
 
+import engine  # noqa: F401  (before torch: engine sets OpenMP's wait policy before OpenMP starts)
+
+# isort: split
 import torch
 
 from engine.model.layers.gemm import PackedLinear

@@ -16,6 +16,9 @@ import functools
 import json
 import time
 
+import engine  # noqa: F401  (before torch: engine sets OpenMP's wait policy before OpenMP starts)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

@@ -23,9 +23,12 @@ import json
 import statistics
 import time
 
-import torch  # noqa: E402
+# engine before torch: it sets OMP_WAIT_POLICY=PASSIVE before OpenMP starts (imported after torch, OpenMP's threads
+# spin after every torch operation and take the core from the kernels' pool)
+from engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams  # before torch: engine sets OMP_WAIT_POLICY=PASSIVE for OpenMP's start-up
+# isort: split
+import torch
 
 
 class Timer:

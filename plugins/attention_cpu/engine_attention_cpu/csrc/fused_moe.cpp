@@ -169,7 +169,7 @@ torch::Tensor grouped_experts(torch::Tensor x, int64_t experts, int64_t intermed
   torch::Tensor gathered = at::empty({rows, hidden}, xf.options());
   const float* xs = xf.data_ptr<float>();
   float* g = gathered.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+  engine_pool::parallel_range(rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) std::copy(xs + (choice_of_row[r] / top_k) * hidden,
                                                 xs + (choice_of_row[r] / top_k + 1) * hidden, g + r * hidden);
   });
@@ -185,7 +185,7 @@ torch::Tensor grouped_experts(torch::Tensor x, int64_t experts, int64_t intermed
   const float* d = down_rows.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, hidden, 256, [&](int64_t c0, int64_t c1) {
+  engine_pool::parallel_range(hidden, 256, [&](int64_t c0, int64_t c1) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t c = choice_of_row[r];
       const float weight = w[c];

@@ -8,7 +8,6 @@
 // in order (K in chunks of at most 576): a row's result does not depend on the other rows of the batch.
 #pragma once  // compiled into other kernel sources too (fused_moe.cpp, quant_gemm.cpp, decode_graph.cpp)
 #include <torch/extension.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -201,27 +200,31 @@ void run_work_items(const float* xs, int64_t ldx, int64_t m, int64_t n, int64_t 
     ranges[t].reset(0, ranges[t].width * row_blocks);
   }
 
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(dynamic) collapse(2)
-    for (int64_t k0 = 0; k0 < k; k0 += kc_max)
-      for (int64_t p = 0; p < row_panels; ++p) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * panel_rows * kc, panel_rows);
-      }
-    // implicit barrier: every thread reads all of packed x
+  // on the spin pool (a worker that has no core is not waited for): the participants pack x's panels, each
+  // waiting until every panel is packed (only participants take panels, so each taken one is being packed), then
+  // take work items, each from its own range first
+  const int64_t chunks = (k + kc_max - 1) / kc_max, pack_items = chunks * row_panels;
+  std::atomic<int64_t> next_pack{0}, packed{0};
+  std::atomic<int> seats{0};
+  engine_pool::run_shared(threads, [&] {
+    for (int64_t i = next_pack++; i < pack_items; i = next_pack++) {
+      const int64_t k0 = (i / row_panels) * kc_max, p = i % row_panels, kc = std::min(kc_max, k - k0);
+      pack_row_panel(xs, ldx, m, p, k0, kc, ax + k0 * chunk_stride + p * panel_rows * kc, panel_rows);
+      packed.fetch_add(1, std::memory_order_release);
+    }
+    while (packed.load(std::memory_order_acquire) < pack_items) _mm_pause();
     auto run = [&](const ItemRange& range, int64_t item) {
       const int64_t i0 = (item / range.width) * block_rows, i1 = std::min(m, i0 + block_rows);
       compute(static_cast<const float*>(ax), chunk_stride, i0, i1, range.first_panel + item % range.width);
     };
-    const int t = omp_get_thread_num();
+    const int t = seats++;
     int64_t item;
     while (ranges[t].take_front(item)) run(ranges[t], item);
     for (int other = 1; other < threads; ++other) {
       ItemRange& range = ranges[(t + other) % threads];
       while (range.take_back(item)) run(range, item);
     }
-  }
+  });
 }
 
 // c[M, N] = x[M, K] @ W.T + bias over the weight's panels, each given by panel_of(q): a [K][16] float32 panel that

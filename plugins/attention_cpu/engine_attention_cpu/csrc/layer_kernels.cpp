@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "spin_pool.h"
 #include "vec_avx2.h"
 
 namespace {
@@ -91,7 +92,7 @@ void normalize_rows(torch::Tensor out, torch::Tensor src, const torch::Tensor* a
   check_weight(weight, hidden);
   DISPATCH_ACTIVATION_TYPES(src.scalar_type(), "rms_norm", [&] {
     const float* w = weight.data_ptr<float>();
-    at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    engine_pool::parallel_range(rows, kGrainRows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = src.data_ptr<scalar_t>() + r * src.stride(0);
         const scalar_t* addend = add ? add->data_ptr<scalar_t>() + r * add->stride(0) : row;
@@ -119,7 +120,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   TORCH_CHECK(x.size(1) == 2 * d && out.size(0) == rows && out.scalar_type() == x.scalar_type(),
               "out must be [rows, x.size(1) / 2] of x's dtype");
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "silu_and_mul", [&] {
-    at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    engine_pool::parallel_range(rows, kGrainRows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = x.data_ptr<scalar_t>() + r * x.stride(0);
         const scalar_t* up = gate + d;
@@ -189,7 +190,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
                 max_position, " positions)");
   const int64_t q_heads = query.size(1) / head_size, k_heads = key.size(1) / head_size;
   DISPATCH_ACTIVATION_TYPES(query.scalar_type(), "rotary_embedding", [&] {
-    at::parallel_for(0, tokens, kGrainRows, [&](int64_t begin, int64_t end) {
+    engine_pool::parallel_range(tokens, kGrainRows, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* c = cos.data_ptr<float>() + pos[t] * rotary_dim;
         const float* s = sin.data_ptr<float>() + pos[t] * rotary_dim;

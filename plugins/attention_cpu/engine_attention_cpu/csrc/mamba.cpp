@@ -14,6 +14,8 @@
 #include <cmath>
 #include <vector>
 
+#include "spin_pool.h"
+
 namespace {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
@@ -44,7 +46,7 @@ torch::Tensor causal_conv1d(const torch::Tensor& x, const torch::Tensor& weight,
   float* op = out.data_ptr<float>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
-  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+  engine_pool::parallel_range(rows * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> window(kernel * kChannelBlock);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / blocks, c0 = (item % blocks) * kChannelBlock;
@@ -93,7 +95,7 @@ torch::Tensor mamba2_scan(const torch::Tensor& x, const torch::Tensor& dt, const
   float *sp = ssm_state.data_ptr<float>(), *yp = y.data_ptr<float>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  engine_pool::parallel_range(rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / heads, h = item % heads, g = h / per_group;
       float* state = sp + (r * heads + h) * head_dim * state_size;
@@ -136,7 +138,7 @@ torch::Tensor selective_scan(const torch::Tensor& x, const torch::Tensor& dt, co
   const float *zp = z.data_ptr<float>(), *biasp = dt_bias.data_ptr<float>();
   float *sp = ssm_state.data_ptr<float>(), *yp = y.data_ptr<float>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+  engine_pool::parallel_range(rows * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> decay(state_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / blocks, d0 = (item % blocks) * kChannelBlock;

@@ -16,6 +16,7 @@
 #include <numeric>
 #include <vector>
 
+#include "spin_pool.h"
 #include "vec_avx2.h"
 
 namespace {
@@ -25,7 +26,7 @@ using namespace engine_cpu;
 constexpr int kHeads = 4;           // query heads per tile
 constexpr int kRows = 3;            // latent rows per score tile
 constexpr int64_t kChunk = 32;      // rows per L2-resident chunk
-constexpr int64_t kSerialWork = 1 << 17;
+constexpr int64_t kSerialWork = 1 << 15;
 
 // scores[h * n + t - t0] = scale * q_h . row_t for the kHeads rows of q and of scores (rows past the real heads are
 // zero queries), t in [t0, t1); rows[t - t0] points at latent row t.
@@ -143,7 +144,7 @@ void mla_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch
   for (int64_t r = 0; r < num_rows; ++r) context += lens[r];
   const int64_t threads = context * num_heads * dim < kSerialWork ? 1 : threads_available;
   std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, std::min<int64_t>(threads, num_items), 1, [&](int64_t, int64_t) {
+  engine_pool::run_shared(std::min<int64_t>(threads, num_items), [&] {  // the spin pool, as paged_attention.cpp
     std::vector<float> q(tiles_per_item * kHeads * dim), acc(tiles_per_item * kHeads * v_size);
     std::vector<float> scores(tiles_per_item * kHeads * kChunk), running_max(tiles_per_item * kHeads),
         running_sum(tiles_per_item * kHeads);

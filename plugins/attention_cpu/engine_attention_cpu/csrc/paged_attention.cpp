@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "spin_pool.h"
 #include "vec_avx2.h"
 
 namespace {
@@ -152,7 +153,7 @@ void attend_heads(float* acc, float* scores, const float* q, const scalar_t* key
   weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, v_size);
 }
 
-constexpr int64_t kSerialWork = 1 << 17;  // context tokens x query heads x head size
+constexpr int64_t kSerialWork = 1 << 15;  // context tokens x query heads x head size
 
 template <typename scalar_t>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
@@ -199,7 +200,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   int64_t context = 0;
   for (int64_t r = 0; r < num_rows; ++r) context += lens_ptr[r];
   const int64_t threads = context * num_heads * head_size < kSerialWork ? 1 : at::get_num_threads();
-  at::parallel_for(0, std::min<int64_t>(threads, num_items), 1, [&](int64_t, int64_t) {
+  // on the spin pool, not OpenMP: this runs between the step's products, which keep the pool's workers awake
+  engine_pool::run_shared(std::min<int64_t>(threads, num_items), [&] {
     std::vector<float> q(3 * head_size), acc(3 * v_size), scores;
     for (int64_t taken = next_item++; taken < num_items; taken = next_item++) {
       const int64_t item = order[taken];

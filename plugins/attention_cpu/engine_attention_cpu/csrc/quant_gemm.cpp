@@ -150,7 +150,7 @@ bool cpu_has(int variant) {
 // x [rows, K] -> int8 blocks (zero-padded to nb * 32), a scale per block and scale * sum per block.
 // Rounds half away from zero (C's roundf), as llama.cpp and engine.quantization.formats do.
 void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t nb, int8_t* xq, float* xd, float* xs) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  engine_pool::parallel_range(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * k;
       for (int64_t b = 0; b < nb; ++b) {

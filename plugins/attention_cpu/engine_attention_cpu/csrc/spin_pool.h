@@ -2,6 +2,11 @@
 // other runnable thread) for a short while after each job, so the next product of the step starts without a wake
 // up, then sleep on a condition variable. OpenMP with OMP_WAIT_POLICY=PASSIVE (engine.thread_policy) puts its
 // threads to sleep after every parallel region: 30-60 us to wake them, paid by each of a decode step's products.
+//
+// Joining a job is optional: a job's work is claimed piece by piece by whichever threads take part, and the caller
+// waits only for the workers that joined before it finished. A worker that has no core at that moment (another
+// process, or OpenMP threads spinning after a torch operation in a script that imported torch before engine) is
+// never waited for: the caller runs the job alone instead of stalling for a scheduler tick per product.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -9,9 +14,11 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -23,13 +30,13 @@ namespace engine_pool {
 class SpinPool {
  public:
   explicit SpinPool(int threads) : threads_(threads), owner_(getpid()) {
-    for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
+    for (int t = 1; t < threads_; ++t) workers_.emplace_back([this] { work(); });
   }
   ~SpinPool() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_.store(true);
-      generation_.fetch_add(1);
+      state_.fetch_add(kGeneration);
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
@@ -37,33 +44,55 @@ class SpinPool {
   int threads() const { return threads_; }
   pid_t owner() const { return owner_; }
 
-  // job(thread, threads) on every thread of the pool, the caller being thread 0; returns when all are done.
-  // false (and nothing run) when another caller holds the pool: that caller runs its job alone instead
-  bool run(const std::function<void(int, int)>& job) {
+  // job() on the caller and on each worker that joins in time (at most `helpers` of them); job claims its own work
+  // (every participant runs it until no work is left), so the result never depends on who took part. Returns when
+  // the caller's job and every joined worker's are done; false (nothing run) when another caller holds the pool.
+  bool run(const std::function<void()>& job, int helpers) {
     std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
     job_ = &job;
-    remaining_.store(threads_ - 1, std::memory_order_relaxed);
+    finished_.store(0, std::memory_order_relaxed);
+    uint64_t generation;
     {
       std::lock_guard<std::mutex> lock(mutex_);  // a sleeper cannot miss the new generation
-      generation_.fetch_add(1, std::memory_order_release);
+      generation = (state_.load(std::memory_order_relaxed) & ~kLow) + kGeneration;
+      state_.store(generation | static_cast<uint64_t>(std::min(helpers, threads_ - 1)) << kSeatShift,
+                   std::memory_order_release);
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
-    job(0, threads_);
-    while (remaining_.load(std::memory_order_acquire) > 0) _mm_pause();
+    job();
+    // no worker joins from now on; wait for those that did
+    const uint64_t closed = state_.fetch_or(kClosed, std::memory_order_acq_rel);
+    const uint64_t joined = closed & kJoined;
+    for (int spins = 0; finished_.load(std::memory_order_acquire) < joined;) {
+      if (++spins % 64 == 0) sched_yield();  // a joined worker sharing this core gets it
+      else _mm_pause();
+    }
     return true;
   }
 
  private:
   static constexpr auto kSpin = std::chrono::microseconds(2000);
+  // state_: generation (upper bits) | closed | seats offered | workers joined
+  static constexpr uint64_t kJoined = 0xFFFF, kSeatShift = 16, kSeats = 0xFFFFull << kSeatShift,
+                            kClosed = 1ull << 32, kLow = (1ull << 33) - 1, kGeneration = 1ull << 33;
 
-  void work(int thread) {
-    uint64_t seen = 0;
+  // join the job of `generation` if it is still open and has a seat
+  bool join(uint64_t generation) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((s & ~kLow) != generation || (s & kClosed) || (s & kJoined) >= ((s & kSeats) >> kSeatShift)) return false;
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) return true;
+    }
+  }
+
+  void work() {
+    uint64_t seen = state_.load() & ~kLow;
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
       uint64_t current;
       int spins = 0;
-      while ((current = generation_.load(std::memory_order_acquire)) == seen) {
+      while ((current = state_.load(std::memory_order_acquire) & ~kLow) == seen) {
         if (++spins % 64 == 0) {
           sched_yield();  // a busy machine gets the core back at once
           if (std::chrono::steady_clock::now() - start > kSpin) break;
@@ -74,24 +103,25 @@ class SpinPool {
       if (current == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
         sleepers_.fetch_add(1);
-        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        wake_.wait(lock, [&] { return (state_.load() & ~kLow) != seen; });
         sleepers_.fetch_sub(1);
-        current = generation_.load();
+        current = state_.load() & ~kLow;
       }
       seen = current;
       if (stop_) return;
-      (*job_)(thread, threads_);
-      remaining_.fetch_sub(1, std::memory_order_release);
+      if (!join(current)) continue;
+      (*job_)();
+      finished_.fetch_add(1, std::memory_order_release);
     }
   }
 
   const int threads_;
   const pid_t owner_;
   std::vector<std::thread> workers_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> remaining_{0};
+  std::atomic<uint64_t> state_{0};
+  std::atomic<uint64_t> finished_{0};
   std::atomic<int> sleepers_{0};
-  const std::function<void(int, int)>* job_ = nullptr;
+  const std::function<void()>* job_ = nullptr;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<bool> stop_{false};
@@ -112,22 +142,38 @@ inline SpinPool& pool() {
   return *instance;
 }
 
-// body(begin, end) over [0, n) split into one contiguous range per thread (inline when n is small).
+// body() on up to `threads` threads (the caller included), each claiming its own work (an atomic counter of
+// items): for kernels that split work themselves. Inline when threads <= 1 or the pool is taken.
+template <class F>
+void run_shared(int64_t threads, const F& body) {
+  SpinPool& p = pool();
+  threads = std::min<int64_t>(threads, p.threads());
+  if (threads <= 1) {
+    body();
+    return;
+  }
+  const std::function<void()> job = [&] { body(); };
+  if (!p.run(job, static_cast<int>(threads - 1))) body();
+}
+
+// body(begin, end) over [0, n): a few `align`-aligned chunks per thread, claimed in order by whichever thread is
+// free (inline when n is small). Every element is computed by exactly one call, whoever makes it.
 template <class F>
 void parallel_range(int64_t n, int64_t min_per_thread, const F& body, int64_t align = 1) {
-  SpinPool& p = pool();
-  const int64_t threads = std::min<int64_t>(p.threads(), std::max<int64_t>(1, n / std::max<int64_t>(1, min_per_thread)));
+  const int64_t threads =
+      std::min<int64_t>(pool().threads(), std::max<int64_t>(1, n / std::max<int64_t>(1, min_per_thread)));
   if (threads <= 1) {
     body(0, n);
     return;
   }
-  const std::function<void(int, int)> job = [&](int thread, int) {
-    if (thread >= threads) return;
-    const int64_t chunk = ((n + threads - 1) / threads + align - 1) / align * align;
-    const int64_t begin = std::min<int64_t>(n, thread * chunk), end = std::min<int64_t>(n, begin + chunk);
-    if (begin < end) body(begin, end);
-  };
-  if (!p.run(job)) body(0, n);
+  constexpr int64_t kChunksPerThread = 4;
+  const int64_t chunks = threads * kChunksPerThread;
+  const int64_t chunk = std::max<int64_t>(1, ((n + chunks - 1) / chunks + align - 1) / align) * align;
+  std::atomic<int64_t> next{0};
+  run_shared(threads, [&] {
+    for (int64_t begin = next.fetch_add(chunk); begin < n; begin = next.fetch_add(chunk))
+      body(begin, std::min(n, begin + chunk));
+  });
 }
 
 }  // namespace engine_pool

@@ -1,0 +1,89 @@
+"""The ``cpu`` plugin's spin pool (csrc/spin_pool.h) under contention: its workers join a job only when they get a
+core in time, and the caller never waits for one that did not. Found by running a script that imported torch before
+engine: torch's OpenMP threads then spin after every torch operation, the pool's worker had no core, and each kernel
+of a decode step waited a scheduler tick for it (a SmolLM2 decode step went from 10 ms to 240 ms past 227 context
+tokens, where attention split its work). The kernels must give the same bits whoever takes part.
+
+The check runs in a fresh interpreter confined to one core, with OpenMP's threads spinning
+(``OMP_WAIT_POLICY=ACTIVE``, torch imported first) and a torch operation between the kernels, and holds every kernel
+on the pool (integer-dot product, the GEMM's decode rows and its tiled schedule, RMS norm, SiLU, RoPE, paged decode
+attention) to its single-thread bits."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("engine_attention_cpu") is None
+    or importlib.util.find_spec("engine_attention_cpu._layers") is None,
+    reason="the cpu plugin's kernels are not built",
+)
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+    import torch  # before engine: OpenMP keeps the spinning wait policy set below
+    import engine  # noqa: F401
+    from engine.model.quant_formats import quantize
+    from engine_attention_cpu import _C, _gemm, _layers, _quant
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the pool's threads and OpenMP's share one core
+    g = torch.Generator().manual_seed(0)
+
+    def kernels():
+        out = {}
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, 576, generator=g)
+            out[f"q4_1/{rows}"] = _quant.forward(x, Q41.data, None, 1, 1, None, 960)
+            out[f"int8/{rows}"] = _quant.forward(x, I8.data, I8.scales, 3, 1, None, 960)
+            out[f"gemm/{rows}"] = _gemm.forward(x, PANELS, None, 960, -1)  # decode rows, then the tiled GEMM
+            normed = torch.empty_like(x)
+            _layers.rms_norm(normed, x, NORM, 1e-5)
+            out[f"rms/{rows}"] = normed
+            act = torch.empty(rows, 288)
+            _layers.silu_and_mul(act, x)
+            out[f"silu/{rows}"] = act
+            q, k = torch.randn(rows, 9 * 64, generator=g), torch.randn(rows, 3 * 64, generator=g)
+            _layers.rotary_embedding(torch.arange(rows) + 5, q, k, COS, SIN, 64)
+            out[f"rope/{rows}"] = torch.cat([q, k], 1)
+            query = torch.randn(rows, 9, 64, generator=g)
+            attn = torch.empty_like(query)
+            lens = torch.randint(50, 700, (rows,), generator=g, dtype=torch.int32)
+            _C.paged_decode_attention(attn, query, KEYS, VALUES, TABLE[:rows], lens, 0.125, 0.0, 0)
+            out[f"attention/{rows}"] = attn
+            torch.exp(torch.randn(1 << 17, generator=g))  # an OpenMP region: its threads spin afterwards
+        return out
+
+    W = torch.randn(960, 576, generator=g) * 0.05
+    Q41, I8 = quantize(W, "q4_1"), quantize(W, "int8")
+    PANELS = _gemm.pack_weight(W)
+    NORM = torch.rand(576, generator=g) + 0.5
+    COS, SIN = torch.rand(64, 32, generator=g), torch.rand(64, 32, generator=g)
+    KEYS, VALUES = torch.randn(64, 16, 3, 64, generator=g), torch.randn(64, 16, 3, 64, generator=g)
+    TABLE = torch.stack([torch.randperm(64, generator=g)[:44] for _ in range(40)]).int()
+
+    state = g.get_state()
+    torch.set_num_threads(1)
+    alone = kernels()
+    torch.set_num_threads(2)
+    for repeat in range(20):
+        g.set_state(state)
+        shared = kernels()
+        for name, value in alone.items():
+            assert torch.equal(value, shared[name]), f"{name} differs on repeat {repeat}"
+    print("same bits", len(alone))
+    """
+)
+
+
+def test_kernels_on_the_pool_give_their_single_thread_bits_with_one_core_and_spinning_openmp():
+    env = {**os.environ, "OMP_WAIT_POLICY": "ACTIVE", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same bits 21" in done.stdout
