@@ -238,3 +238,39 @@ def test_history_turns_counters_into_rates_and_a_chart():
     assert history.latest_rates()["generation_tokens_per_s"] == 60.0  # over the last samples: 120 tokens in 2 s
     ranks = [SchedulerStats(1, 0, 0.1, 1, 2, 0, 0, 0, steps=StepCounters(2, 0.5, 3, 4, 5)) for _ in range(2)]
     assert SchedulerStats.total(ranks).steps == StepCounters(4, 1.0, 6, 8, 10)
+
+
+def test_the_sampler_stops_when_its_cancellation_meets_a_finished_sample():
+    """Found by CI: `engine serve` sometimes outlived SIGTERM by 30 s, its shutdown waiting for the status sampler.
+    Python 3.11's ``wait_for`` drops a cancellation that arrives as the awaited sample completes; the sampler then
+    sampled on. ``stop`` must end it whenever the cancellation lands."""
+    import asyncio
+
+    from engine.entrypoints.openai.engine_status import StatusHistory
+    from engine.messages import SchedulerStats
+
+    class Engine:
+        def __init__(self):
+            self.samples = 0
+            self.pending: asyncio.Future | None = None
+
+        async def get_stats(self):
+            self.samples += 1
+            self.pending = asyncio.get_running_loop().create_future()
+            return await self.pending
+
+    async def scenario() -> int:
+        engine, history = Engine(), StatusHistory()
+        history.start(engine)
+        while engine.pending is None:
+            await asyncio.sleep(0)
+        engine.pending.set_result(SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0))  # the sample completes...
+        await asyncio.sleep(0)  # ...wait_for's inner task takes it
+        await asyncio.wait_for(history.stop(), timeout=10)  # ...and the cancellation arrives now
+        return engine.samples
+
+    samples: list[int] = []  # in a thread of its own: the browser tests leave an event loop running in this one
+    runner = threading.Thread(target=lambda: samples.append(asyncio.run(scenario())))
+    runner.start()
+    runner.join(timeout=60)
+    assert samples == [1]

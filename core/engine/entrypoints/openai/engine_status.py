@@ -51,6 +51,7 @@ class StatusHistory:
         self.clock = clock
         self.samples: deque[tuple[float, SchedulerStats]] = deque(maxlen=HISTORY_SECONDS + 1)
         self.task: Optional[asyncio.Task] = None
+        self.stopping = False
 
     def add(self, stats: SchedulerStats) -> None:
         self.samples.append((self.clock(), stats))
@@ -81,7 +82,7 @@ class StatusHistory:
 
     async def run(self, engine, period: float = 1.0) -> None:
         """Sample ``engine.get_stats()`` every ``period`` seconds until cancelled (a failed sample is skipped)."""
-        while True:
+        while not self.stopping:
             try:
                 self.add(await asyncio.wait_for(engine.get_stats(), timeout=10))
             except asyncio.CancelledError:
@@ -95,10 +96,16 @@ class StatusHistory:
             self.task = asyncio.get_running_loop().create_task(self.run(engine))
 
     async def stop(self) -> None:
-        if self.task is not None:
+        """End the sampler. Python 3.11's ``wait_for`` loses a cancellation that arrives as its sample completes
+        (the task then samples on and the server's shutdown waited for it), so the loop also checks a flag and the
+        cancellation is repeated until the task is done."""
+        if self.task is None:
+            return
+        self.stopping = True
+        while not self.task.done():
             self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-            self.task = None
+            await asyncio.wait({self.task}, timeout=0.1)
+        self.task = None
 
 
 def status_body(
