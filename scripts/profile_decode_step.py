@@ -2,8 +2,9 @@
 Python (input preparation, sampling metadata, output lists) around them.
 
 Runs SmolLM2 (the default model) through ``LLM`` in this process, 64 requests of 128 prompt tokens and
-128 output tokens at temperature 0.6 (W1's setting), and times every ``ModelRunner.execute_model``
-call in which all 64 requests decode one token. Prints JSON, medians in milliseconds per step:
+128 output tokens at temperature 0.6 (W1's setting; ``--temperature 0``: greedy, as ``engine bench latency``
+decodes), and times every ``ModelRunner.execute_model`` call in which all 64 requests decode one token. Prints
+JSON, medians in milliseconds per step:
 ``total`` (execute_model), ``model`` (forward), ``logits`` (LM head), ``sampler``, ``runner_python``
 (total minus those three: the runner's own Python and the logits processors), and the scheduler's
 ``schedule`` and ``update`` around the step. ``--seeded`` and ``--penalties`` give every request a
@@ -56,6 +57,7 @@ def main() -> None:
         help="every request asks for presence and repetition penalties (a logits processor)",
     )
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--temperature", type=float, default=0.6, help="0: greedy (as `engine bench latency` decodes)")
     parser.add_argument("--enforce-eager", action="store_true", help="time the eager model, not the captured step")
     parser.add_argument("--steps-json", help="also write every measured step")
     args = parser.parse_args()
@@ -127,7 +129,9 @@ def main() -> None:
     ]
     extra = dict(presence_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
     params = [
-        SamplingParams(temperature=0.6, max_tokens=128, ignore_eos=True, seed=i if args.seeded else None, **extra)
+        SamplingParams(
+            temperature=args.temperature, max_tokens=128, ignore_eos=True, seed=i if args.seeded else None, **extra
+        )
         for i in range(args.num_requests)
     ]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -140,6 +144,7 @@ def main() -> None:
         captured_steps=runner.num_captured_steps,
         dtype=args.dtype,
         quantization=args.quantization,
+        temperature=args.temperature,
         seeded=args.seeded,
         penalties=args.penalties,
         threads=torch.get_num_threads(),

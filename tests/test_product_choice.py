@@ -114,6 +114,27 @@ def test_the_choice_is_cached_on_disk_and_measured_again_on_request(cache_home, 
     assert len(list((cache_home / "engine" / "products").glob("*.json"))) == 2
 
 
+def test_a_rebuilt_kernel_is_measured_again(cache_home, tmp_path):
+    """A candidate's build (a compiled module's size and time) is part of the cache key: the same names after a
+    rebuild of the kernels are measured again, not read from the choice made for the old code."""
+    module = tmp_path / "kernel.so"
+    module.write_bytes(b"old build")
+    build = product_choice.module_build(type("Module", (), {"__file__": str(module)}))
+    calls = []
+    shapes = [ProductShape(48, 32)]
+
+    def built(build):
+        return [ProductCandidate(c.name, c.make, build) for c in candidates(calls)]
+
+    assert choose_products(shapes, built(build), torch.float32, torch.float32).source == "measured"
+    assert choose_products(shapes, built(build), torch.float32, torch.float32).source != "measured"
+    module.write_bytes(b"the new build")
+    rebuilt = product_choice.module_build(type("Module", (), {"__file__": str(module)}))
+    assert rebuilt != build
+    calls.clear()
+    assert choose_products(shapes, built(rebuilt), torch.float32, torch.float32).source == "measured" and calls
+
+
 def test_a_corrupt_cache_file_is_measured_again(cache_home):
     shapes = [ProductShape(24, 16)]
     choose_products(shapes, candidates([]), torch.float32, torch.float32)

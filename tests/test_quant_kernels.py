@@ -159,6 +159,45 @@ def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
 
 
 @needs_kernels
+@pytest.mark.parametrize("variant", ("avx2", "avx512vnni"))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interleaved_layout_gives_the_rows_of_blocks_product(fmt, variant):
+    """The SIMD variants read the weight interleaved by groups of 8 rows: a permutation of the blocks' bytes, so the
+    product is the rows-of-blocks kernel's up to the order of float additions; a last group padded past N writes
+    nothing past N; every row count (1-9, the tiles of 1 and 4 rows and their remainders) gives each row the bits
+    it has alone; the products of one weight share one interleaved copy."""
+    from engine_attention_cpu.quant import QuantDotProduct, interleaved
+
+    emulated = _variant_or_skip(variant)
+    for cols, k in [(8, 32), (37, 64), (129, 160), (64, 1536)] + ([(33, 40)] if fmt == "int8" else []):
+        weight = quantize(_weight(cols, k, seed=cols), fmt)
+        data, scales = interleaved(weight)
+        assert data.shape == (-(-cols // 8), -(-k // 32), data.shape[2]) and data.dtype == torch.uint8
+        assert (scales is None) == (fmt != "int8") and (scales is None or scales.numel() == data.shape[0] * 8)
+        product = QuantDotProduct(weight, None, variant, emulated)
+        assert product.data.data_ptr() == QuantDotProduct(weight, None, variant, emulated).data.data_ptr()
+        rows_of_blocks = QuantDotProduct(weight, None, variant, emulated, interleave=False)
+        assert rows_of_blocks.data.dim() == 2
+        x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+        out = product(x)
+        torch.testing.assert_close(out, rows_of_blocks(x), rtol=1e-5, atol=1e-5)
+        for rows in range(1, 10):
+            assert torch.equal(product(x[:rows]), out[:rows]), (fmt, cols, k, rows)
+
+
+@needs_kernels
+def test_interleaved_kernel_refuses_a_layout_of_another_width():
+    from engine_attention_cpu import _quant
+    from engine_attention_cpu.quant import FORMAT_IDS, interleaved
+
+    data, _ = interleaved(quantize(_weight(16, 64), "q4_1"))
+    with pytest.raises(RuntimeError, match="interleaved weight must be"):
+        _quant.linear(torch.empty(1, 24), torch.randn(1, 64), data, None, FORMAT_IDS["q4_1"], 1, None)
+    with pytest.raises(RuntimeError, match="scalar variant"):
+        _quant.linear(torch.empty(1, 16), torch.randn(1, 64), data, None, FORMAT_IDS["q4_1"], 0, None)
+
+
+@needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantized_gemm_and_cpp_dequantize_equal_the_reference(fmt):
     """The product that de-quantizes the weight a panel at a time under the GEMM's tile is the float32 GEMM on the

@@ -55,11 +55,10 @@ def product_spec(name: str, product, rows: tuple[float, float] = (0, ROW_BUCKETS
     if isinstance(product, CpuPackedLinear):
         return ("gemm", product.panels, product.bias, product.out_features, product.variant_id)
     if isinstance(product, QuantDotProduct):
-        weight = product.weight
         return (
             "quant",
-            weight.data,
-            weight.scales,
+            product.data,
+            product.scales,
             product.bias,
             product.format_id,
             product.variant_id,

@@ -10,6 +10,7 @@ with native 16-bit GEMMs) go to the native torch ops.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 
@@ -17,7 +18,7 @@ import torch
 
 from engine.interfaces.base import SelectionContext
 from engine.model.layers.native_kernels import NativeLayerKernels
-from engine.model.layers.product_choice import ProductCandidate
+from engine.model.layers.product_choice import ProductCandidate, module_build
 from engine_attention_cpu import mamba
 from engine_attention_cpu.decode_graph import capture_decode_step
 from engine_attention_cpu.gemm import CpuPackedLinear, cpu_gemm_available, gemm_variants
@@ -97,9 +98,13 @@ class CpuLayerKernels(NativeLayerKernels):
         candidates = super().product_candidates(dtype)
         if self._gemm:
             runnable = [name for name, ok in gemm_variants().items() if ok]
+            build = module_build(importlib.import_module("engine_attention_cpu._gemm"))
             for variant in runnable:  # inserted in front, so the widest ends first
                 candidates.insert(
-                    0, ProductCandidate(f"cpu-{variant}", lambda w, b, variant=variant: CpuPackedLinear(w, b, variant))
+                    0,
+                    ProductCandidate(
+                        f"cpu-{variant}", lambda w, b, variant=variant: CpuPackedLinear(w, b, variant), build
+                    ),
                 )
         return candidates
 
@@ -111,12 +116,15 @@ class CpuLayerKernels(NativeLayerKernels):
             return super().quantized_product_candidates(weight_format)
         runnable = [name for name, ok in variants().items() if ok]
         simd = [name for name in runnable if name != "scalar"] or runnable
+        build = module_build(importlib.import_module("engine_attention_cpu._quant"))  # rebuilt kernels: measured again
         candidates = [
-            ProductCandidate(f"{weight_format}-{variant}", lambda w, b, variant=variant: QuantDotProduct(w, b, variant))
+            ProductCandidate(
+                f"{weight_format}-{variant}", lambda w, b, variant=variant: QuantDotProduct(w, b, variant), build
+            )
             for variant in reversed(simd)
         ]
         if self._gemm:
-            candidates.append(ProductCandidate(f"{weight_format}-dequant-avx2", DequantizedGemmProduct))
+            candidates.append(ProductCandidate(f"{weight_format}-dequant-avx2", DequantizedGemmProduct, build))
         return candidates
 
     def fixed_product(self, weight, bias=None):

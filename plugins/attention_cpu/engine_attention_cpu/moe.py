@@ -107,7 +107,7 @@ def measure_dequant_min_rows(
     for weights in (w13, w2):
         weight = weights.expert(0)
         products = {
-            variant: QuantDotProduct(weight, None, variant),
+            variant: QuantDotProduct(weight, None, variant, interleave=False),  # the experts' rows of blocks
             "dequant-avx2": DequantizedGemmProduct(weight, None),
         }
         shapes.append((weight.shape[1], products))

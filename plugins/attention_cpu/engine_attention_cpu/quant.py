@@ -2,7 +2,8 @@
 
 - ``QuantDotProduct``: integer block dot products on the packed weight (activations quantized per block of 32),
   in each ISA variant this CPU has: the product of single-stream decoding, which reads 4-8x fewer weight bytes
-  than a float32 product.
+  than a float32 product. The SIMD variants read the weight interleaved by groups of 8 rows (``interleaved``),
+  so that one block of x meets 8 rows per instruction and a block's dot ends as one lane per row.
 - ``DequantizedGemmProduct``: the weight de-quantized a 16-row panel at a time, in cache, under the float32 GEMM's
   tile: for products with many rows, where the GEMM's arithmetic dominates and the integer dot would be slower.
 
@@ -55,12 +56,34 @@ def unsupported_variant_reason(variant: str, emulated: bool = False) -> Optional
     return None
 
 
+INTERLEAVED_ATTRIBUTE = "_cpu_interleaved"  # where a weight keeps its interleaved copy, shared by its products
+
+
+def interleaved(weight: QuantizedWeight) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The weight's blocks interleaved by groups of 8 rows (``csrc/quant_kernel.inc``) and, for int8, its row scales
+    padded to the groups: made once per weight (every product on it shares the copy, beside the rows of blocks that
+    the de-quantizing GEMM, the scalar variant and the torch reference read)."""
+    cached = getattr(weight, INTERLEAVED_ATTRIBUTE, None)
+    if cached is None:
+        data = weight.data.contiguous()
+        scales = None if weight.scales is None else weight.scales.float().contiguous()
+        cached = tuple(_ops().interleave(data, scales, FORMAT_IDS[weight.format], weight.shape[1]))
+        setattr(weight, INTERLEAVED_ATTRIBUTE, cached)
+    return cached
+
+
 class QuantDotProduct:
     """``x @ W.T + bias`` by integer block dot products on the packed weight; returns x's dtype (``emulated``: the
-    SIMDe build's kernels, for tests of a variant this CPU lacks)."""
+    SIMDe build's kernels, for tests of a variant this CPU lacks; ``interleave=False``: the SIMD variants too read the
+    rows of blocks, as the fused experts do)."""
 
     def __init__(
-        self, weight: QuantizedWeight, bias: Optional[torch.Tensor], variant: str, emulated: bool = False
+        self,
+        weight: QuantizedWeight,
+        bias: Optional[torch.Tensor],
+        variant: str,
+        emulated: bool = False,
+        interleave: bool = True,
     ) -> None:
         reason = unsupported_variant_reason(variant, emulated)
         if reason:
@@ -70,11 +93,14 @@ class QuantDotProduct:
         self.variant_id = list(variants(emulated)).index(variant)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        # what the kernel reads: the SIMD variants, the interleaved copy; the scalar one, the rows of blocks
+        rows_of_blocks = variant == "scalar" or not interleave
+        self.data, self.scales = (weight.data, weight.scales) if rows_of_blocks else interleaved(weight)
         # one C++ call per product (reshape, allocation and dtype in C++): a decode step makes 120 of them
         self._forward = functools.partial(
             _ops(emulated).forward,
-            data=weight.data,
-            scales=weight.scales,
+            data=self.data,
+            scales=self.scales,
             format=self.format_id,
             variant=self.variant_id,
             bias=self.bias,

@@ -47,12 +47,20 @@ ROW_BUCKETS = (RowBucket("single", 8, 1), RowBucket("decode", 192, 64), RowBucke
 @dataclass(frozen=True)
 class ProductCandidate:
     """One way to run ``x @ weight.T + bias``: ``make(weight, bias)`` prepares it for a weight (None where it
-    cannot take that weight)."""
+    cannot take that weight). ``build``: what identifies the kernel's code (a compiled module's size and time),
+    part of the cached measurement's key, so that a rebuilt kernel is measured again."""
 
     name: str
     make: Callable[
         [Any, Optional[torch.Tensor]], Optional[PackedProduct]
     ]  # (weight: a tensor or QuantizedWeight, bias)
+    build: str = ""
+
+
+def module_build(module: Any) -> str:
+    """A compiled module's build identity for ``ProductCandidate.build``: its file's size and modification time."""
+    stat = os.stat(module.__file__)
+    return f"{stat.st_size}-{int(stat.st_mtime)}"
 
 
 @dataclass(frozen=True)
@@ -238,7 +246,7 @@ def choose_products(
         "threads": torch.get_num_threads(),
         "dtype": str(dtype),
         "weight_dtype": weight_format or str(weight_dtype),
-        "candidates": [c.name for c in candidates],
+        "candidates": [f"{c.name}@{c.build}" if c.build else c.name for c in candidates],
         "shapes": sorted({s.key for s in shapes}),
         "buckets": [b.measured_rows for b in ROW_BUCKETS],
     }

@@ -59,6 +59,20 @@ struct QuantArgs {
   int64_t ldo;
 };
 
+// A product on the interleaved layout (interleave()): [groups][nb][x8 block bytes], groups of 8 weight rows.
+struct X8Args {
+  int format;
+  const uint8_t* weight;
+  int64_t nb;             // blocks per row
+  const float* scales;    // int8: per output row, padded to whole groups; else null
+  const int8_t* xq;       // [rows][nb * 32]
+  const float* xd;        // [rows][nb]
+  const float* xs;        // [rows][nb]: xd * sum of the block's xq
+  int64_t rows, ldq;
+  float* out;
+  int64_t ldo, n;         // n: the output columns kept (the last group's padding rows are not written)
+};
+
 static inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -106,6 +120,12 @@ namespace avx2 {
 static inline __m256i dot_u8s8(__m256i a, __m256i b) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
+static inline __m256i dot_u8s8_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, dot_u8s8(a, b)); }
+// Q4 sums kept as 16 pairs of int16 until the block ends (8 products of 4-bit by 8-bit pairs: at most 30480)
+static inline __m256i q4_dot_acc(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b));
+}
+static inline __m256i q4_dot_finish(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 #include "quant_kernel.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -125,6 +145,9 @@ namespace avx512vnni {
 static inline __m256i dot_u8s8(__m256i a, __m256i b) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
 }
+static inline __m256i dot_u8s8_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
+static inline __m256i q4_dot_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
+static inline __m256i q4_dot_finish(__m256i acc) { return acc; }
 #include "quant_kernel.inc"
 }  // namespace avx512vnni
 #ifndef ENGINE_EMULATE_AVX512
@@ -187,30 +210,104 @@ void check_weight(const torch::Tensor& data, const c10::optional<torch::Tensor>&
   }
 }
 
+int64_t x8_block_bytes(int format) {
+  switch (format) {
+    case kQ4_0: return 144;
+    case kQ4_1: return 160;
+    case kQ8_0: return 272;
+    default: return 256;
+  }
+}
+
+// The weight's rows [N, nb * block bytes] (int8: with scales [N]) in the interleaved layout [ceil(N / 8)][nb][x8 block
+// bytes] that the SIMD variants read (quant_kernel.inc), rows past N zero; int8's scales padded to whole groups.
+std::tuple<torch::Tensor, c10::optional<torch::Tensor>> interleave(torch::Tensor data,
+                                                                    c10::optional<torch::Tensor> scales,
+                                                                    int64_t format, int64_t in_features) {
+  check_weight(data, scales, format, in_features);
+  const int64_t n = data.size(0), nb = (in_features + kBlock - 1) / kBlock, groups = (n + 7) / 8;
+  const int64_t bytes = block_bytes(static_cast<int>(format)), xb = x8_block_bytes(static_cast<int>(format));
+  torch::Tensor out = torch::zeros({groups, nb, xb}, data.options().dtype(torch::kUInt8));
+  const uint8_t* src = static_cast<const uint8_t*>(data.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t head = format == kQ4_1 ? 4 : format == kI8 ? 0 : 2;  // bytes before a block's quants
+  const int64_t head_x8 = format == kQ4_1 ? 32 : format == kI8 ? 0 : 16, words = (format == kQ4_0 || format == kQ4_1) ? 4 : 8;
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* o = dst + (g * nb + b) * xb;
+        for (int64_t c = 0; c < 8 && g * 8 + c < n; ++c) {
+          const uint8_t* blk = src + (g * 8 + c) * data.size(1) + b * bytes;
+          if (format != kI8) std::memcpy(o + 2 * c, blk, 2);            // d
+          if (format == kQ4_1) std::memcpy(o + 16 + 2 * c, blk + 2, 2);  // m
+          for (int64_t t = 0; t < words; ++t) std::memcpy(o + head_x8 + 32 * t + 4 * c, blk + head + 4 * t, 4);
+        }
+      }
+  });
+  c10::optional<torch::Tensor> padded;
+  if (format == kI8) {
+    padded = torch::zeros({groups * 8}, scales->options());
+    padded->narrow(0, 0, n).copy_(*scales);
+  }
+  return {out, padded};
+}
+
+// The activations' blocks, reused by the calling thread: no allocation per call.
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xs;
+  void fill(const float* x, int64_t rows, int64_t k, int64_t nb) {
+    xq.resize(rows * nb * kBlock);
+    xd.resize(rows * nb);
+    xs.resize(rows * nb);
+    quantize_rows(x, rows, k, nb, xq.data(), xd.data(), xs.data());
+  }
+};
+
+// data: a weight's rows of blocks [N, row bytes] (any variant), or its interleaved layout [groups, nb, x8 block
+// bytes] (SIMD variants; out's width says N).
 void linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
             int64_t format, int64_t variant, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 2-D");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: contiguous float32");
-  const int64_t rows = x.size(0), k = x.size(1), n = data.size(0);
-  check_weight(data, scales, format, k);
-  TORCH_CHECK(out.size(0) == rows && out.size(1) == n, "out must be [rows, out_features]");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2, "out: contiguous float32");
+  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
   TORCH_CHECK(cpu_has(static_cast<int>(variant)), "this CPU lacks the instructions of variant ", variant);
   const int64_t nb = (k + kBlock - 1) / kBlock;
-  static thread_local std::vector<int8_t> xq;  // reused: no allocation per call
-  static thread_local std::vector<float> xd, xs;
-  xq.resize(rows * nb * kBlock);
-  xd.resize(rows * nb);
-  xs.resize(rows * nb);
-  quantize_rows(x.data_ptr<float>(), rows, k, nb, xq.data(), xd.data(), xs.data());
-  QuantArgs q{static_cast<int>(format), static_cast<const uint8_t*>(data.data_ptr()), data.size(1), nb,
-              scales.has_value() ? scales->data_ptr<float>() : nullptr, xq.data(), xd.data(), xs.data(), rows,
-              nb * kBlock, out.data_ptr<float>(), n};
-  // output columns split between the spin pool's threads, whole 4-column tiles each
-  engine_pool::parallel_range(n, 64, [&](int64_t begin, int64_t end) {
-    if (variant == kAvx512Vnni) avx512vnni::run_columns(q, begin, end);
-    else if (variant == kAvx2) avx2::run_columns(q, begin, end);
-    else scalar::run_columns(q, begin, end);
-  }, 4);
+  TORCH_CHECK(out.size(0) == rows, "out must be [rows, out_features]");
+  thread_local QuantizedRows act;
+  if (data.dim() == 3) {
+    TORCH_CHECK(format >= kQ4_0 && format <= kI8, "unknown quantized format ", format);
+    TORCH_CHECK(variant != kScalar, "the scalar variant reads the rows of blocks, not the interleaved layout");
+    TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.scalar_type() == torch::kUInt8,
+                "interleaved weight: contiguous uint8 on the CPU");
+    TORCH_CHECK(format == kI8 || k % kBlock == 0, "in_features must be a multiple of 32 for GGUF blocks");
+    TORCH_CHECK(data.size(0) == (n + 7) / 8 && data.size(1) == nb && data.size(2) == x8_block_bytes(static_cast<int>(format)),
+                "interleaved weight must be [ceil(N / 8), nb, ", x8_block_bytes(static_cast<int>(format)), "] for N = ", n);
+    if (format == kI8)
+      TORCH_CHECK(scales.has_value() && scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() &&
+                      scales->numel() == data.size(0) * 8, "interleaved int8 weights need float32 scales padded to groups");
+    act.fill(x.data_ptr<float>(), rows, k, nb);
+    X8Args q{static_cast<int>(format), data.data_ptr<uint8_t>(), nb,
+             format == kI8 ? scales->data_ptr<float>() : nullptr, act.xq.data(), act.xd.data(), act.xs.data(), rows,
+             nb * kBlock, out.data_ptr<float>(), n, n};
+    engine_pool::parallel_range(data.size(0), 8, [&](int64_t begin, int64_t end) {
+      if (variant == kAvx512Vnni) avx512vnni::run_groups(q, begin, end);
+      else avx2::run_groups(q, begin, end);
+    }, 2);
+  } else {
+    check_weight(data, scales, format, k);
+    TORCH_CHECK(data.size(0) == n, "out must be [rows, out_features]");
+    act.fill(x.data_ptr<float>(), rows, k, nb);
+    QuantArgs q{static_cast<int>(format), static_cast<const uint8_t*>(data.data_ptr()), data.size(1), nb,
+                scales.has_value() ? scales->data_ptr<float>() : nullptr, act.xq.data(), act.xd.data(), act.xs.data(),
+                rows, nb * kBlock, out.data_ptr<float>(), n};
+    // output columns split between the spin pool's threads, whole 4-column tiles each
+    engine_pool::parallel_range(n, 64, [&](int64_t begin, int64_t end) {
+      if (variant == kAvx512Vnni) avx512vnni::run_columns(q, begin, end);
+      else if (variant == kAvx2) avx2::run_columns(q, begin, end);
+      else scalar::run_columns(q, begin, end);
+    }, 4);
+  }
   if (bias.has_value()) out.add_(*bias);
 }
 
@@ -405,6 +502,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("variant"), py::arg("bias"),
         py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &engine_quant::dequantize, "out [N, K] float32 = W");
+  m.def("interleave", &engine_quant::interleave,
+        "(rows of blocks, int8 scales, format, in_features) -> (the interleaved layout, int8 scales padded to groups)",
+        py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("in_features"));
   m.def("dequantized_forward", &engine_quant::dequantized_forward,
         "x [..., K] -> x @ W.T (+ bias padded to 16) [..., N] in x's dtype, W de-quantized a panel at a time",
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("bias"), py::arg("out_features"),
