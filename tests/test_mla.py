@@ -206,3 +206,54 @@ def test_int8_deepseek_matches_transformers_on_the_rounded_weights(family):
     assert all(layer.quant_w13 is not None for layer in moe_layers(model))
     assert getattr(model.model.layers[1].self_attn.kv_a_proj_with_mqa, "quant_weight", None) is not None
     llm.shutdown()
+
+
+@pytest.mark.parametrize("projections", [None, "q8_0"], ids=["float-projections", "q8_0-projections"])
+def test_a_deepseek2_gguf_file_matches_transformers(family, tokenizer_dir, tmp_path, projections):
+    """A ``deepseek2`` GGUF file as llama.cpp's converter writes it (MLA as one KV head of the latent, ``kv_b_proj``
+    split per head into ``attn_k_b`` and ``attn_v_b`` with no ``attn_kv_b``, V3's correction bias as ``exp_probs_b``,
+    YaRN as a log multiplier), its experts Q8_0 blocks and, in a fully quantized file, its projections too: the engine
+    reads DeepSeek-V2 or V3 from its metadata and, loaded de-quantized or with the blocks kept packed (native kernels),
+    gives transformers' tokens on the same rounded weights; the packed rotary rows are reordered as the float ones."""
+    from engine.model.layers.moe import moe_layers
+    from engine.testing.models import write_moe_gguf
+
+    name, _, hf_model, _ = family
+    path = tmp_path / f"{name}.gguf"
+    packed = write_moe_gguf(hf_model, path, "q8_0", projection_format=projections)
+    assert bool(packed) == bool(projections)
+    float_names = tuple(n for n, p in hf_model.named_parameters() if p.dim() == 2 and n not in packed)
+    reference = hf_greedy(rounded_copy(hf_model, "q8_0", keep=float_names).eval(), PROMPTS, MAX_TOKENS)
+
+    tokens, llm = engine_greedy(str(path), PROMPTS, MAX_TOKENS, tokenizer=tokenizer_dir, quantization="none")
+    assert tokens == reference, name
+    config = inspect(llm).model.config
+    assert type(inspect(llm).model).__name__ == hf_model.config.architectures[0]
+    mla_keys = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    for key in (*mla_keys, "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor"):
+        assert getattr(config, key) == getattr(hf_model.config, key), key
+    llm.shutdown()
+    tokens, llm = engine_greedy(
+        str(path), PROMPTS, MAX_TOKENS, tokenizer=tokenizer_dir, quantization="gguf", layer_kernels="native"
+    )
+    assert tokens == reference, name
+    model = inspect(llm).model
+    assert all(layer.quant_w13 is not None and layer.quant_w13.format == "q8_0" for layer in moe_layers(model))
+    attention = model.model.layers[1].self_attn
+    assert (getattr(attention.kv_a_proj_with_mqa, "quant_weight", None) is not None) == bool(projections)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+    # the cpu kernels (activations rounded to int8 per block): transformers' token within the top 5 where they part
+    llm = LLM(str(path), tokenizer=tokenizer_dir, dtype="float32", quantization="gguf")
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5),
+        use_tqdm=False,
+    )
+    for want, out in zip(reference, outputs):
+        got = out.outputs[0].token_ids
+        parted = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if parted is not None:
+            assert want[parted] in out.outputs[0].logprobs[parted], parted
+    assert_all_blocks_free(llm)
+    llm.shutdown()

@@ -23,6 +23,7 @@ from engine.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, R
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings, yarn_mscale
 from engine.model.llama import LlamaDecoderLayer, LlamaModel
+from engine.model.quant_formats import QuantizedWeight
 from engine.model.sparse_moe import MoEForCausalLM
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm and kv_a_layernorm use the default epsilon, not rms_norm_eps
@@ -135,16 +136,21 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         return super().load_weights(self._half_split_rope(weights) if self.rope_interleaved() else weights)
 
     def _half_split_rope(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The query's and the latent's rotary rows in the rotate-half layout."""
+        """The query's and the latent's rotary rows in the rotate-half layout: a permutation of whole rows, so a
+        weight kept packed (a GGUF file's blocks) is reordered as its float form would be."""
         config = self.config
         nope, rope, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
         for name, tensor in weights:
+            order = None
             if name.endswith(("q_proj.weight", "q_b_proj.weight")):
-                heads = tensor.view(config.num_attention_heads, nope + rope, -1)
-                tensor = torch.cat([heads[:, :nope], _half_split(heads[:, nope:].transpose(0, 1)).transpose(0, 1)], 1)
-                tensor = tensor.reshape(-1, tensor.shape[-1])
+                heads = torch.arange(tensor.shape[0]).view(config.num_attention_heads, nope + rope)
+                order = torch.cat([heads[:, :nope], _half_split(heads[:, nope:].transpose(0, 1)).transpose(0, 1)], 1)
             elif name.endswith(("kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias")):
-                tensor = torch.cat([tensor[:rank], _half_split(tensor[rank:])])
+                rows = torch.arange(tensor.shape[0])
+                order = torch.cat([rows[:rank], _half_split(rows[rank:])])
+            if order is not None:
+                order = order.reshape(-1)
+                tensor = tensor.index_rows(order) if isinstance(tensor, QuantizedWeight) else tensor[order]
             yield name, tensor
 
 

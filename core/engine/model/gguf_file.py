@@ -1,8 +1,11 @@
 """Reading GGUF files: metadata as a transformers config, tensors de-quantized (or kept packed), Q/K un-permuted.
 
-Architectures: ``llama`` (Llama, and Mixtral: a ``llama`` file with ``llama.expert_count``) and ``qwen3moe``. An MoE
-layer's experts are one 3-D tensor per projection in the file (``ffn_gate_exps`` ``[experts, intermediate, hidden]``
-...); they are handed to the model expert by expert, under the names a Hugging Face checkpoint gives them."""
+Architectures: ``llama`` (Llama, and Mixtral: a ``llama`` file with ``llama.expert_count``), ``qwen3moe`` and
+``deepseek2`` (DeepSeek-V2, and V3: sigmoid gating or a correction bias ``exp_probs_b``). An MoE layer's experts are one
+3-D tensor per projection in the file (``ffn_gate_exps`` ``[experts, intermediate, hidden]`` ...); they are handed to
+the model expert by expert, under the names a Hugging Face checkpoint gives them. llama.cpp writes DeepSeek's latent
+expansion ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``, with or without
+``attn_kv_b`` itself: where it is missing, ``kv_b_proj`` is rebuilt from the two."""
 
 from __future__ import annotations
 
@@ -15,8 +18,14 @@ import torch
 from engine.model.quant_formats import BLOCK_BYTES, GGUF_TYPES, QK, QuantizedWeight
 
 # GGUF architecture -> (HF architecture, HF model_type)
-GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
+}
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a llama file with experts
+DEEPSEEK_V3 = ("DeepseekV3ForCausalLM", "deepseek_v3")  # a deepseek2 file with sigmoid gating
+SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 ROTARY_PERMUTED = {"llama"}  # llama.cpp's converter interleaves the rotary halves of q/k rows for these
 # the HF module of an MoE layer and its experts' (gate, down, up) names, per HF architecture
 EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w2", "w3"))}
@@ -52,7 +61,7 @@ def gguf_to_hf_config(path: str):
     tensor_names = {t.name for t in reader.tensors}
     num_layers = int(_field(reader, f"{arch}.block_count"))
     moe: dict = {}
-    if num_experts:
+    if num_experts and arch != "deepseek2":
         moe = dict(num_local_experts=int(num_experts)) if hf_arch == MIXTRAL[0] else dict(num_experts=int(num_experts))
         moe["num_experts_per_tok"] = int(_field(reader, f"{arch}.expert_used_count"))
     if arch == "qwen3moe":
@@ -63,6 +72,18 @@ def gguf_to_hf_config(path: str):
         moe["decoder_sparse_step"] = 1
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     rope = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+    attention = dict(
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(
+            _field(reader, f"{arch}.attention.key_length", None)
+            or _field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)
+        ),
+    )
+    if arch == "deepseek2":
+        attention, moe = _deepseek2_settings(reader, num_heads, tensor_names)
+        if moe["scoring_func"] == "sigmoid":
+            hf_arch, model_type = DEEPSEEK_V3
+        rope.update(_yarn_settings(reader, arch))
     config = AutoConfig.for_model(
         model_type,
         architectures=[hf_arch],
@@ -70,11 +91,6 @@ def gguf_to_hf_config(path: str):
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(
-            _field(reader, f"{arch}.attention.key_length", None)
-            or _field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)
-        ),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         vocab_size=int(vocab),
@@ -84,9 +100,69 @@ def gguf_to_hf_config(path: str):
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
         torch_dtype="float32",
+        **attention,
         **moe,
     )
     return config
+
+
+def _deepseek2_settings(reader, num_heads: int, tensor_names: set[str]) -> tuple[dict, dict]:
+    """DeepSeek's attention and MoE settings from a ``deepseek2`` file. llama.cpp writes MLA as one KV head whose key
+    is the latent and its rotary part (``key_length`` = kv_lora_rank + rope, ``value_length`` = kv_lora_rank) and the
+    per-head sizes as ``key_length_mla`` / ``value_length_mla``; older files give the per-head sizes directly."""
+    arch = "deepseek2"
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count"))
+    key_mla, value_mla = (
+        _field(reader, f"{arch}.attention.key_length_mla"),
+        _field(reader, f"{arch}.attention.value_length_mla"),
+    )
+    key = int(key_mla if key_mla is not None else _field(reader, f"{arch}.attention.key_length"))
+    value = int(value_mla if value_mla is not None else _field(reader, f"{arch}.attention.value_length"))
+    q_lora_rank = _field(reader, f"{arch}.attention.q_lora_rank")
+    attention = dict(
+        num_key_value_heads=num_heads,
+        head_dim=rope_dim,
+        kv_lora_rank=int(_field(reader, f"{arch}.attention.kv_lora_rank")),
+        q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=key - rope_dim,
+        v_head_dim=value,
+    )
+    sigmoid = _field(reader, f"{arch}.expert_gating_func") == SIGMOID_GATING or any(
+        name.endswith("exp_probs_b.bias") for name in tensor_names
+    )
+    n_group = int(_field(reader, f"{arch}.expert_group_count", 1) or 1)
+    moe = dict(
+        n_routed_experts=int(_field(reader, f"{arch}.expert_count", 0) or 0),
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        moe_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or 0),
+        n_shared_experts=int(_field(reader, f"{arch}.expert_shared_count", 0) or 0),
+        first_k_dense_replace=int(_field(reader, f"{arch}.leading_dense_block_count", 0) or 0),
+        routed_scaling_factor=float(_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
+        n_group=n_group,
+        topk_group=int(_field(reader, f"{arch}.expert_group_used_count", 1) or 1),
+        scoring_func="sigmoid" if sigmoid else "softmax",
+        topk_method="noaux_tc" if sigmoid else ("group_limited_greedy" if n_group > 1 else "greedy"),
+    )
+    return attention, moe
+
+
+def _yarn_settings(reader, arch: str) -> dict:
+    """YaRN rotary scaling as transformers names it (llama.cpp keeps 0.1 * mscale_all_dim as ``yarn_log_multiplier``
+    and assumes DeepSeek's mscale equal to it), or nothing where the file has no scaling."""
+    if _field(reader, f"{arch}.rope.scaling.type") != "yarn":
+        return {}
+    mscale = float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+    return {
+        "rope_type": "yarn",
+        "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+        "original_max_position_embeddings": int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+        "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+    }
 
 
 _LAYER_NAMES = {
@@ -101,6 +177,18 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # DeepSeek's latent attention and shared experts
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",  # rebuilt into kv_b_proj where the file lacks attn_kv_b
+    "attn_v_b": "self_attn.v_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -117,6 +205,8 @@ def _hf_name(gguf_name: str, hf_arch: str = "") -> str:
         module, experts = EXPERT_NAMES.get(hf_arch, DEFAULT_EXPERT_NAMES)
         if block == "ffn_gate_inp":
             return f"{layer}.{module}.gate.{suffix}"
+        if block == "exp_probs_b":  # V3's correction bias of the expert scores
+            return f"{layer}.{module}.gate.e_score_correction_bias"
         if block in _EXPERT_TENSORS:
             return f"{layer}.{module}.experts.{{expert}}.{experts[_EXPERT_TENSORS[block]]}.{suffix}"
         return f"{layer}.{_LAYER_NAMES[block]}.{suffix}"
@@ -140,15 +230,30 @@ def iterate_gguf_weights(
     reader = open_gguf(path)
     hf_arch = (getattr(hf_config, "architectures", None) or [""])[0]
     permuted = _field(reader, "general.architecture") in ROTARY_PERMUTED
+    has_kv_b = any(t.name.endswith("attn_kv_b.weight") for t in reader.tensors)
+    split_kv_b: dict[str, dict[str, np.ndarray]] = {}  # layer -> attn_k_b / attn_v_b, until both are read
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, hf_arch)
+        if name.endswith(("k_b_proj.weight", "v_b_proj.weight")):
+            if has_kv_b:  # the file has kv_b_proj itself
+                continue
+            layer, _, part = name.rpartition(".self_attn.")
+            parts = split_kv_b.setdefault(layer, {})
+            parts[part] = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            if len(parts) == 2:
+                yield (
+                    f"{layer}.self_attn.kv_b_proj.weight",
+                    _rebuild_kv_b(parts["k_b_proj.weight"], parts["v_b_proj.weight"]),
+                )
+            continue
         heads = None
         if permuted and name.endswith("q_proj.weight"):
             heads = hf_config.num_attention_heads
         elif permuted and name.endswith("k_proj.weight"):
             heads = hf_config.num_key_value_heads
         fmt = GGUF_TYPES.get(tensor.tensor_type.name)
-        if fmt in keep_packed and tensor.data.ndim in (2, 3):
+        # the latent expansion stays float: its absorbed halves are multiplied into queries and outputs
+        if fmt in keep_packed and tensor.data.ndim in (2, 3) and not name.endswith("kv_b_proj.weight"):
             blocks = tensor.data if heads is None else _unpermute_rotary(tensor.data, heads)
             for expert_name, rows in _per_expert(name, np.array(blocks, dtype=np.uint8)):
                 cols = rows.shape[1] // BLOCK_BYTES[fmt] * QK
@@ -159,6 +264,13 @@ def iterate_gguf_weights(
             data = _unpermute_rotary(data, heads)
         for expert_name, values in _per_expert(name, np.array(data, dtype=np.float32)):  # writable copies
             yield expert_name, torch.from_numpy(values)
+
+
+def _rebuild_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> torch.Tensor:
+    """``kv_b_proj`` [heads * (nope + v), kv_lora_rank] from llama.cpp's ``attn_k_b`` [heads, kv_lora_rank, nope] (each
+    head's key rows transposed) and ``attn_v_b`` [heads, v, kv_lora_rank]."""
+    per_head = torch.cat([torch.from_numpy(k_b).transpose(1, 2), torch.from_numpy(v_b)], dim=1)
+    return per_head.reshape(-1, per_head.shape[-1]).contiguous()
 
 
 def _per_expert(name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:

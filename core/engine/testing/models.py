@@ -96,12 +96,15 @@ def random_prompts(
     return out
 
 
-def write_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
-    """Write a transformers Qwen3-MoE (as ``qwen3moe``) or Mixtral (as ``llama`` with experts, q/k rows permuted) GGUF
-    file, as llama.cpp's converter lays it out: experts as one 3-D tensor per projection packed in ``expert_format``
-    (``q8_0``, ``q4_0``, ``q4_1``: llama.cpp's blocks, from :func:`~engine.model.quant_formats.quantize`), every other
-    tensor float32 (the routers stay float, as llama.cpp's quantizer leaves them); a tied LM head is left out. No
-    tokenizer: load it with ``tokenizer=``."""
+def write_moe_gguf(hf_model, path: str | Path, expert_format: str, projection_format: str | None = None) -> set[str]:
+    """Write a transformers Qwen3-MoE (as ``qwen3moe``), Mixtral (as ``llama`` with experts, q/k rows permuted) or
+    DeepSeek-V2 / V3 (as ``deepseek2``: MLA as one KV head of the latent, ``kv_b_proj`` split per head into
+    ``attn_k_b``, transposed, and ``attn_v_b``, without ``attn_kv_b``) GGUF file, as llama.cpp's converter lays it out:
+    experts as one 3-D tensor per projection packed in ``expert_format`` (``q8_0``, ``q4_0``, ``q4_1``: llama.cpp's
+    blocks, from :func:`~engine.model.quant_formats.quantize`), every other tensor float32 (the routers stay float, as
+    llama.cpp's quantizer leaves them); a tied LM head is left out. ``projection_format``: the 2-D projections (names
+    ending ``_proj.weight`` or ``_mqa.weight``, and the LM head) whose rows are whole blocks packed too, as a fully
+    quantized file holds them; returns their Hugging Face names. No tokenizer: load it with ``tokenizer=``."""
     import gguf
     import numpy as np
 
@@ -109,26 +112,30 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
 
     config = hf_model.config
     mixtral = config.model_type == "mixtral"
-    arch = "llama" if mixtral else "qwen3moe"
+    deepseek = config.model_type in ("deepseek_v2", "deepseek_v3")
+    arch = "llama" if mixtral else "deepseek2" if deepseek else "qwen3moe"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_local_experts if mixtral else config.num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    if not mixtral:
+    writer.add_vocab_size(config.vocab_size)
+    if deepseek:
+        _add_deepseek2_metadata(writer, config)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_expert_count(config.num_local_experts if mixtral else config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if not mixtral and not deepseek:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
-    writer.add_vocab_size(config.vocab_size)
     packed_type = gguf.GGMLQuantizationType[expert_format.upper()]
     layer_names = {
         "input_layernorm": "attn_norm",
@@ -139,11 +146,30 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
         "self_attn.o_proj": "attn_output",
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
+        "self_attn.q_a_proj": "attn_q_a",
+        "self_attn.q_a_layernorm": "attn_q_a_norm",
+        "self_attn.q_b_proj": "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+        "self_attn.kv_a_layernorm": "attn_kv_a_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
         "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
     }
+    packed: set[str] = set()
+
+    def add(gguf_name: str, hf_name: str, values) -> None:
+        projection = hf_name.endswith(("_proj.weight", "_mqa.weight")) or hf_name == "lm_head.weight"
+        if projection_format and projection and values.dim() == 2 and values.shape[1] % 32 == 0:
+            blocks = quantize(values, projection_format).data.numpy()
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[projection_format.upper()])
+            packed.add(hf_name)
+        else:
+            writer.add_tensor(gguf_name, values.numpy())
+
     state = hf_model.state_dict()
     for name, tensor in state.items():
         values = tensor.detach().float()
@@ -151,7 +177,7 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
             continue
         if not name.startswith("model.layers."):
             glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-            writer.add_tensor(glob.get(name, "output.weight"), values.numpy())
+            add(glob.get(name, "output.weight"), name, values)
             continue
         _, _, index, rest = name.split(".", 3)
         if rest.startswith("mlp.experts."):
@@ -165,12 +191,56 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str) -> None:
                 blocks = np.stack([quantize(matrix, expert_format).data.numpy() for matrix in stacked])
                 writer.add_tensor(f"blk.{index}.{gguf_name}.weight", blocks, raw_dtype=packed_type)
             continue
+        if rest == "mlp.gate.e_score_correction_bias":
+            writer.add_tensor(f"blk.{index}.exp_probs_b.bias", values.numpy())
+            continue
+        if rest == "self_attn.kv_b_proj.weight":  # per head: k_b transposed [kv_lora, nope], v_b [v, kv_lora]
+            per_head = values.view(config.num_attention_heads, config.qk_nope_head_dim + config.v_head_dim, -1)
+            k_b, v_b = per_head.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
+            writer.add_tensor(f"blk.{index}.attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())
+            writer.add_tensor(f"blk.{index}.attn_v_b.weight", v_b.contiguous().numpy())
+            continue
         module, _, suffix = rest.rpartition(".")
         if mixtral and module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's rotary interleave
             heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
             values = values.reshape(heads, 2, values.shape[0] // heads // 2, -1).transpose(1, 2).reshape(values.shape)
-        writer.add_tensor(f"blk.{index}.{layer_names[module]}.{suffix}", values.numpy())
+        add(f"blk.{index}.{layer_names[module]}.{suffix}", name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return packed
+
+
+def _add_deepseek2_metadata(writer, config) -> None:
+    """DeepSeek's hyperparameters as llama.cpp's converter writes them for ``deepseek2``."""
+    import gguf
+
+    rope = config.rope_parameters
+    writer.add_head_count_kv(1)  # MLA as one KV head: the latent and its rotary part
+    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    writer.add_value_length(config.kv_lora_rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    if config.q_lora_rank:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(float(config.routed_scaling_factor))
+    writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    v3 = config.model_type == "deepseek_v3"
+    gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    writer.add_expert_gating_func(gating)
+    if v3 or getattr(config, "topk_method", "greedy") == "group_limited_greedy":
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))

@@ -193,13 +193,23 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.keep_float = keep_float
         self.params_dtype = params_dtype
-        self.weight = _param((output_size, input_size), default_weight_loader)
+        self.weight = _param((output_size, input_size), self.weight_loader)
         self.bias = _param((output_size,), default_weight_loader) if bias else None
         if params_dtype is not None:
             self.weight.data = self.weight.data.to(params_dtype)
             if self.bias is not None:
                 self.bias.data = self.bias.data.to(params_dtype)
         self.packed = None  # set by the loader: the same product on a packed weight (LayerKernels.pack_linear)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantizedWeight, shard_id=None) -> None:
+        """A packed checkpoint weight (a GGUF file's blocks) stays packed unless the layer keeps float (a router:
+        de-quantized)."""
+        if isinstance(loaded, QuantizedWeight):
+            if not self.keep_float and tuple(loaded.shape) == tuple(param.shape):
+                keep_quantized_shard(self, param, 0, loaded)
+                return
+            loaded = dequantize(loaded)
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.params_dtype is not None:
