@@ -79,6 +79,20 @@ def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, **c
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
+def assert_greedy_or_top5(llm, prompts: list[list[int]], reference: list[list[int]], max_tokens: int) -> None:
+    """Greedy tokens equal to ``reference``, or, where they part (a near-tie after rounding), the reference's token
+    among that step's top 5 (the parity rule's fallback)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for index, (want, out) in enumerate(zip(reference, outputs)):
+        got = out.outputs[0].token_ids
+        parted = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if parted is not None:
+            assert want[parted] in out.outputs[0].logprobs[parted], (index, parted)
+
+
 def install_fixture_plugins(tmp_path_factory, *packages: str) -> dict:
     """Pip-install fixture distributions (tests/plugin_fixtures) into a private folder; the environment that
     puts it on PYTHONPATH."""

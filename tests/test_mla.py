@@ -11,7 +11,14 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts, rounded_copy
+from tests.helpers import (
+    assert_all_blocks_free,
+    assert_greedy_or_top5,
+    engine_greedy,
+    hf_greedy,
+    random_prompts,
+    rounded_copy,
+)
 
 MAX_TOKENS = 12
 PROMPTS = random_prompts(4, (6, 44), seed=31)
@@ -245,15 +252,6 @@ def test_a_deepseek2_gguf_file_matches_transformers(family, tokenizer_dir, tmp_p
     llm.shutdown()
     # the cpu kernels (activations rounded to int8 per block): transformers' token within the top 5 where they part
     llm = LLM(str(path), tokenizer=tokenizer_dir, dtype="float32", quantization="gguf")
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS],
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5),
-        use_tqdm=False,
-    )
-    for want, out in zip(reference, outputs):
-        got = out.outputs[0].token_ids
-        parted = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-        if parted is not None:
-            assert want[parted] in out.outputs[0].logprobs[parted], parted
+    assert_greedy_or_top5(llm, PROMPTS, reference, MAX_TOKENS)
     assert_all_blocks_free(llm)
     llm.shutdown()

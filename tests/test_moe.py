@@ -11,7 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts, rounded_copy
+from tests.helpers import (
+    assert_all_blocks_free,
+    assert_greedy_or_top5,
+    engine_greedy,
+    hf_greedy,
+    random_prompts,
+    rounded_copy,
+)
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(5, (6, 50), seed=31)
@@ -193,13 +200,7 @@ def test_int8_packs_the_experts_and_matches_transformers_on_the_rounded_weights(
         assert layer.w13_weight.numel() == 0 and layer.w2_weight.numel() == 0 and layer.packed is not None
     routers = [m for m in model.modules() if type(m).__name__ == "ReplicatedLinear"]
     assert routers and all(getattr(m, "quant_weight", None) is None for m in routers)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for want, out in zip(reference, outputs):
-        got = out.outputs[0].token_ids
-        parted = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-        if parted is not None:  # near-tie: the reference's token is among this step's top 5
-            assert want[parted] in out.outputs[0].logprobs[parted], (name, parted)
+    assert_greedy_or_top5(llm, PROMPTS, reference, MAX_TOKENS)
     assert_all_blocks_free(llm)
     llm.shutdown()
 
@@ -332,16 +333,7 @@ def test_a_gguf_moe_keeps_its_experts_packed_and_matches_transformers(
     for layer in layers:
         assert isinstance(layer.quant_w13, QuantizedExperts) and layer.quant_w13.format == fmt
         assert layer.w13_weight.numel() == 0 and layer.w2_weight.numel() == 0
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS],
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5),
-        use_tqdm=False,
-    )
-    for want, out in zip(reference, outputs):
-        got = out.outputs[0].token_ids
-        parted = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-        if parted is not None:
-            assert want[parted] in out.outputs[0].logprobs[parted], parted
+    assert_greedy_or_top5(llm, PROMPTS, reference, MAX_TOKENS)
     assert_all_blocks_free(llm)
     llm.shutdown()
 
