@@ -15,7 +15,14 @@ from engine.config import ConfigError
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
 from engine.model.layers import mamba_reference
 from engine.testing import inspect
-from tests.helpers import assert_all_blocks_free, engine_greedy, hf_greedy, random_prompts
+from tests.helpers import (
+    assert_all_blocks_free,
+    assert_greedy_or_top5,
+    engine_greedy,
+    hf_greedy,
+    random_prompts,
+    rounded_copy,
+)
 
 MAX_TOKENS = 12
 PROMPTS = random_prompts(4, (6, 44), seed=31)
@@ -316,3 +323,40 @@ def test_the_mamba1_scan_runs_each_request_from_its_own_state():
             expected = (h @ C[t].double() + D.double() * x[t].double()) * torch.nn.functional.silu(z[t].double())
             torch.testing.assert_close(y[t].double(), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ssm_state[row].double(), h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["granite-4.0-h", "bamba"])
+def test_a_granitehybrid_gguf_file_matches_transformers(make_tiny_model, tokenizer_dir, tmp_path, name):
+    """A ``granitehybrid`` GGUF file as llama.cpp's converter writes Granite 4.0-H and Bamba (KV heads per layer, 0 for
+    a Mamba2 mixer; A as -exp(A_log), D and the gated norm reshaped, conv1d squeezed; q/k rows interleaved; Granite's
+    multipliers; experts as 3-D Q8_0 blocks): the engine reads back the family, its layer types and its mixers'
+    sizes, and gives transformers' tokens on the same rounded experts, loaded de-quantized or with the experts kept
+    packed (native kernels; the cpu kernels within the top 5)."""
+    from engine.testing.models import write_hybrid_gguf
+
+    _, hf_model, _ = family_model(make_tiny_model, name)
+    path = tmp_path / f"{name}.gguf"
+    write_hybrid_gguf(hf_model, path, "q8_0")
+    reference = hf_greedy(rounded_copy(hf_model, "q8_0", experts_only=True).eval(), PROMPTS, MAX_TOKENS)
+    for quantization in ("none", "gguf"):
+        tokens, llm = engine_greedy(
+            str(path), PROMPTS, MAX_TOKENS, tokenizer=tokenizer_dir, quantization=quantization, layer_kernels="native"
+        )
+        assert tokens == reference, (name, quantization)
+        model = inspect(llm).model
+        assert type(model).__name__ == hf_model.config.architectures[0]
+        config = model.config
+        for key in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand"):
+            assert getattr(config, key) == getattr(hf_model.config, key), key
+        if name == "bamba":
+            assert config.attn_layer_indices == hf_model.config.attn_layer_indices
+        else:
+            assert config.layer_types == hf_model.config.layer_types
+            assert config.embedding_multiplier == hf_model.config.embedding_multiplier
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    # the cpu plugin's kernels on the packed experts (activations rounded to int8 per block): the parity rule's top 5
+    llm = LLM(str(path), tokenizer=tokenizer_dir, dtype="float32", quantization="gguf")
+    assert_greedy_or_top5(llm, PROMPTS, reference, MAX_TOKENS)
+    assert_all_blocks_free(llm)
+    llm.shutdown()

@@ -1,16 +1,17 @@
 """Reading GGUF files: metadata as a transformers config, tensors de-quantized (or kept packed), Q/K un-permuted.
 
-Architectures: ``llama`` (Llama, and Mixtral: a ``llama`` file with ``llama.expert_count``), ``qwen3moe`` and
-``deepseek2`` (DeepSeek-V2, and V3: sigmoid gating or a correction bias ``exp_probs_b``). An MoE layer's experts are one
-3-D tensor per projection in the file (``ffn_gate_exps`` ``[experts, intermediate, hidden]`` ...); they are handed to
-the model expert by expert, under the names a Hugging Face checkpoint gives them. llama.cpp writes DeepSeek's latent
-expansion ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``, with or without
-``attn_kv_b`` itself: where it is missing, ``kv_b_proj`` is rebuilt from the two."""
+Architectures: ``llama`` (Llama, and Mixtral: a ``llama`` file with ``llama.expert_count``), ``qwen3moe``,
+``deepseek2`` (DeepSeek-V2, and V3: sigmoid gating or a correction bias ``exp_probs_b``) and ``granitehybrid``
+(Granite 4.0-H, and Bamba: Mamba2 mixers beside attention layers, told apart by their KV head count per layer).
+An MoE layer's experts are one 3-D tensor per projection in the file (``ffn_gate_exps`` ``[experts, intermediate,
+hidden]`` ...); they are handed to the model expert by expert, under the names a Hugging Face checkpoint gives them.
+llama.cpp writes DeepSeek's latent expansion ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and
+``attn_v_b``, with or without ``attn_kv_b`` itself: where it is missing, ``kv_b_proj`` is rebuilt from the two."""
 
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -22,13 +23,18 @@ GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
+    "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a llama file with experts
 DEEPSEEK_V3 = ("DeepseekV3ForCausalLM", "deepseek_v3")  # a deepseek2 file with sigmoid gating
 SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
-ROTARY_PERMUTED = {"llama"}  # llama.cpp's converter interleaves the rotary halves of q/k rows for these
+BAMBA = ("BambaForCausalLM", "bamba")  # a granitehybrid file with rotary attention, a dense MLP and no multipliers
+ROTARY_PERMUTED = {"llama", "granitehybrid"}  # llama.cpp's converter interleaves q/k rows' rotary halves for these
 # the HF module of an MoE layer and its experts' (gate, down, up) names, per HF architecture
-EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w2", "w3"))}
+EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w2", "w3")),
+    "GraniteMoeHybridForCausalLM": ("feed_forward.moe", ("gate_proj", "down_proj", "up_proj")),
+}
 DEFAULT_EXPERT_NAMES = ("mlp", ("gate_proj", "down_proj", "up_proj"))
 
 
@@ -72,18 +78,24 @@ def gguf_to_hf_config(path: str):
         moe["decoder_sparse_step"] = 1
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     rope = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
-    attention = dict(
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(
-            _field(reader, f"{arch}.attention.key_length", None)
-            or _field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)
-        ),
-    )
     if arch == "deepseek2":
         attention, moe = _deepseek2_settings(reader, num_heads, tensor_names)
         if moe["scoring_func"] == "sigmoid":
             hf_arch, model_type = DEEPSEEK_V3
         rope.update(_yarn_settings(reader, arch))
+    elif arch == "granitehybrid":
+        attention, moe = _granite_hybrid_settings(reader, num_heads, hidden, num_layers)
+        if moe.pop("bamba"):
+            hf_arch, model_type = BAMBA
+            rope["partial_rotary_factor"] = moe.pop("partial_rotary_factor")
+    else:
+        attention = dict(
+            num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+            head_dim=int(
+                _field(reader, f"{arch}.attention.key_length", None)
+                or _field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)
+            ),
+        )
     config = AutoConfig.for_model(
         model_type,
         architectures=[hf_arch],
@@ -148,6 +160,56 @@ def _deepseek2_settings(reader, num_heads: int, tensor_names: set[str]) -> tuple
     return attention, moe
 
 
+def _granite_hybrid_settings(reader, num_heads: int, hidden: int, num_layers: int) -> tuple[dict, dict]:
+    """Granite 4.0-H's (or Bamba's) settings from a ``granitehybrid`` file: the layer types from the per-layer KV head
+    counts (0 for a Mamba2 mixer), the mixer's sizes, Granite's multipliers and experts. A file with rotary
+    attention (``rope.scaling.finetuned``), no experts and no multipliers is a Bamba, as llama.cpp writes it."""
+    arch = "granitehybrid"
+    kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * num_layers
+    inner = int(_field(reader, f"{arch}.ssm.inner_size"))
+    mamba_heads = int(_field(reader, f"{arch}.ssm.time_step_rank"))
+    use_rope = bool(_field(reader, f"{arch}.rope.scaling.finetuned", False))
+    scales = {
+        "embedding_multiplier": _field(reader, f"{arch}.embedding_scale"),
+        "residual_multiplier": _field(reader, f"{arch}.residual_scale"),
+        "attention_multiplier": _field(reader, f"{arch}.attention.scale"),
+        "logits_scaling": _field(reader, f"{arch}.logit_scale"),
+    }
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    head_dim = hidden // num_heads
+    attention: dict[str, Any] = dict(
+        num_key_value_heads=max(int(h) for h in kv_heads),
+        mamba_n_heads=mamba_heads,
+        mamba_d_head=inner // mamba_heads,
+        mamba_n_groups=int(_field(reader, f"{arch}.ssm.group_count", 1)),
+        mamba_d_state=int(_field(reader, f"{arch}.ssm.state_size")),
+        mamba_d_conv=int(_field(reader, f"{arch}.ssm.conv_kernel")),
+        mamba_expand=inner // hidden,
+    )
+    attention_layers = [i for i, h in enumerate(kv_heads) if int(h) > 0]
+    bamba = use_rope and not experts and all(value is None for value in scales.values())
+    if bamba:
+        attention["attn_layer_indices"] = attention_layers
+        rotary = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+        return attention, {"bamba": True, "partial_rotary_factor": rotary / head_dim}
+    defaults = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": head_dim**-0.5}
+    moe: dict[str, Any] = {
+        key: float(value if value is not None else defaults.get(key, 1.0)) for key, value in scales.items()
+    }
+    feed_forward = int(_field(reader, f"{arch}.feed_forward_length"))
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    moe.update(
+        bamba=False,
+        layer_types=["attention" if i in attention_layers else "mamba" for i in range(num_layers)],
+        position_embedding_type="rope" if use_rope else "nope",
+        num_local_experts=experts,
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        shared_intermediate_size=int(shared) if shared else feed_forward,  # without experts: the dense MLP
+    )
+    return attention, moe
+
+
 def _yarn_settings(reader, arch: str) -> dict:
     """YaRN rotary scaling as transformers names it (llama.cpp keeps 0.1 * mscale_all_dim as ``yarn_log_multiplier``
     and assumes DeepSeek's mscale equal to it), or nothing where the file has no scaling."""
@@ -190,6 +252,31 @@ _LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# a Mamba2 mixer's tensors (granitehybrid)
+_MAMBA2_NAMES = {
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_out": "mamba.out_proj",
+    "ssm_norm": "mamba.norm",
+}
+_MAMBA2_PARAMETERS = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt": "mamba.dt_bias"}  # no module
+# names that differ per Hugging Face architecture (Granite's MLPs sit in its feed_forward block; Bamba's too)
+_ARCH_LAYER_NAMES = {
+    "GraniteMoeHybridForCausalLM": {
+        "ffn_gate_shexp": "feed_forward.shared_mlp.gate_proj",
+        "ffn_up_shexp": "feed_forward.shared_mlp.up_proj",
+        "ffn_down_shexp": "feed_forward.shared_mlp.down_proj",
+        "ffn_gate": "feed_forward.shared_mlp.gate_proj",  # no experts: the shared MLP is the layer's MLP
+        "ffn_up": "feed_forward.shared_mlp.up_proj",
+        "ffn_down": "feed_forward.shared_mlp.down_proj",
+    },
+    "BambaForCausalLM": {
+        "ffn_norm": "pre_ff_layernorm",
+        "ffn_gate": "feed_forward.gate_proj",
+        "ffn_up": "feed_forward.up_proj",
+        "ffn_down": "feed_forward.down_proj",
+    },
+}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -199,9 +286,16 @@ _EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_down_exps": 1, "ffn_up_exps": 2}  # 
 def _hf_name(gguf_name: str, hf_arch: str = "") -> str:
     """The Hugging Face name of a GGUF tensor; an expert tensor's names have ``{expert}`` in place of its index."""
     base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):  # a parameter of its own (a mixer's A and D)
+        base, suffix = gguf_name, ""
     parts = base.split(".")
     if parts[0] == "blk":
         block, layer = parts[2], f"model.layers.{parts[1]}"
+        if block in _MAMBA2_PARAMETERS:
+            return f"{layer}.{_MAMBA2_PARAMETERS[block]}"
+        renamed = _ARCH_LAYER_NAMES.get(hf_arch, {}).get(block) or _MAMBA2_NAMES.get(block)
+        if renamed:
+            return f"{layer}.{renamed}.{suffix}"
         module, experts = EXPERT_NAMES.get(hf_arch, DEFAULT_EXPERT_NAMES)
         if block == "ffn_gate_inp":
             return f"{layer}.{module}.gate.{suffix}"
@@ -262,8 +356,21 @@ def iterate_gguf_weights(
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if heads is not None:
             data = _unpermute_rotary(data, heads)
-        for expert_name, values in _per_expert(name, np.array(data, dtype=np.float32)):  # writable copies
+        data = _mamba2_parameter(name, np.array(data, dtype=np.float32))
+        for expert_name, values in _per_expert(name, data):  # writable copies
             yield expert_name, torch.from_numpy(values)
+
+
+def _mamba2_parameter(name: str, values: np.ndarray) -> np.ndarray:
+    """A Mamba2 mixer's tensor in Hugging Face's shape: llama.cpp squeezes the conv1d weight to [channels, kernel],
+    keeps A as -exp(A_log) [heads, 1] (back to A_log here), D as [heads, 1] and the gated norm as [groups, width]."""
+    if name.endswith("mamba.conv1d.weight"):
+        return values.reshape(values.shape[0], 1, -1)
+    if name.endswith("mamba.A_log"):
+        return np.log(-values).reshape(-1)
+    if name.endswith(("mamba.D", "mamba.norm.weight")):
+        return values.reshape(-1)
+    return values
 
 
 def _rebuild_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> torch.Tensor:

@@ -106,9 +106,6 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str, projection_fo
     ending ``_proj.weight`` or ``_mqa.weight``, and the LM head) whose rows are whole blocks packed too, as a fully
     quantized file holds them; returns their Hugging Face names. No tokenizer: load it with ``tokenizer=``."""
     import gguf
-    import numpy as np
-
-    from engine.model.quant_formats import quantize
 
     config = hf_model.config
     mixtral = config.model_type == "mixtral"
@@ -136,7 +133,6 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str, projection_fo
     if not mixtral and not deepseek:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
-    packed_type = gguf.GGMLQuantizationType[expert_format.upper()]
     layer_names = {
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
@@ -159,16 +155,8 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str, projection_fo
         "mlp.shared_experts.up_proj": "ffn_up_shexp",
         "mlp.shared_experts.down_proj": "ffn_down_shexp",
     }
-    packed: set[str] = set()
-
-    def add(gguf_name: str, hf_name: str, values) -> None:
-        projection = hf_name.endswith(("_proj.weight", "_mqa.weight")) or hf_name == "lm_head.weight"
-        if projection_format and projection and values.dim() == 2 and values.shape[1] % 32 == 0:
-            blocks = quantize(values, projection_format).data.numpy()
-            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[projection_format.upper()])
-            packed.add(hf_name)
-        else:
-            writer.add_tensor(gguf_name, values.numpy())
+    tensors = _GGUFTensors(writer, projection_format)
+    add = tensors.add
 
     state = hf_model.state_dict()
     for name, tensor in state.items():
@@ -188,8 +176,7 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str, projection_fo
                 else {"ffn_down_exps": experts}
             )
             for gguf_name, stacked in parts.items():
-                blocks = np.stack([quantize(matrix, expert_format).data.numpy() for matrix in stacked])
-                writer.add_tensor(f"blk.{index}.{gguf_name}.weight", blocks, raw_dtype=packed_type)
+                tensors.add_experts(f"blk.{index}.{gguf_name}.weight", stacked, expert_format)
             continue
         if rest == "mlp.gate.e_score_correction_bias":
             writer.add_tensor(f"blk.{index}.exp_probs_b.bias", values.numpy())
@@ -203,13 +190,165 @@ def write_moe_gguf(hf_model, path: str | Path, expert_format: str, projection_fo
         module, _, suffix = rest.rpartition(".")
         if mixtral and module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's rotary interleave
             heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
-            values = values.reshape(heads, 2, values.shape[0] // heads // 2, -1).transpose(1, 2).reshape(values.shape)
+            values = _rotary_interleave(values, heads)
         add(f"blk.{index}.{layer_names[module]}.{suffix}", name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return packed
+    return tensors.packed
+
+
+class _GGUFTensors:
+    """A test GGUF writer's tensors: projections packed in ``projection_format`` where their rows are whole blocks
+    (their Hugging Face names kept in ``packed``), experts stacked and packed, every other tensor float32."""
+
+    def __init__(self, writer, projection_format: str | None):
+        self.writer, self.projection_format = writer, projection_format
+        self.packed: set[str] = set()
+
+    def add(self, gguf_name: str, hf_name: str, values: torch.Tensor) -> None:
+        import gguf
+
+        from engine.model.quant_formats import quantize
+
+        fmt = self.projection_format
+        projection = hf_name.endswith(("_proj.weight", "_mqa.weight")) or hf_name == "lm_head.weight"
+        if fmt and projection and values.dim() == 2 and values.shape[1] % 32 == 0:
+            blocks = quantize(values, fmt).data.numpy()
+            self.writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[fmt.upper()])
+            self.packed.add(hf_name)
+        else:
+            self.writer.add_tensor(gguf_name, values.contiguous().numpy())
+
+    def add_experts(self, gguf_name: str, stacked: torch.Tensor, fmt: str) -> None:
+        """One projection of every expert [experts, rows, cols] as one 3-D tensor of ``fmt`` blocks."""
+        import gguf
+        import numpy as np
+
+        from engine.model.quant_formats import quantize
+
+        blocks = np.stack([quantize(matrix, fmt).data.numpy() for matrix in stacked])
+        self.writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[fmt.upper()])
+
+
+def _rotary_interleave(values: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter order of q/k rows: each head's rotary halves interleaved."""
+    return values.reshape(heads, 2, values.shape[0] // heads // 2, -1).transpose(1, 2).reshape(values.shape)
+
+
+def write_hybrid_gguf(hf_model, path: str | Path, expert_format: str = "q8_0", projection_format: str | None = None):
+    """Write a transformers Granite 4.0-H (GraniteMoeHybrid) or Bamba as llama.cpp's converter writes them
+    (``granitehybrid``): KV heads per layer (0 for a Mamba2 mixer), A as -exp(A_log) [heads, 1], D [heads, 1], the
+    conv1d weight squeezed, the gated norm as [groups, width], q/k rows interleaved, Granite's multipliers, the
+    shared MLP's fused input split in gate and up (the dense FFN where the model has no experts), experts packed in
+    ``expert_format``; rotary attention only for Bamba (``rope.scaling.finetuned``). Returns the packed projections'
+    Hugging Face names (``projection_format``, as :func:`write_moe_gguf`)."""
+    import gguf
+
+    config = hf_model.config
+    bamba = config.model_type == "bamba"
+    arch = "granitehybrid"
+    writer = gguf.GGUFWriter(str(path), arch)
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    if bamba:
+        attention_layers = set(config.attn_layer_indices)
+    else:
+        attention_layers = {i for i, kind in enumerate(config.layer_types) if kind in ("attention", "full_attention")}
+    experts = 0 if bamba else int(config.num_local_experts or 0)
+    writer.add_block_count(layers)
+    writer.add_context_length(config.max_position_embeddings if bamba else 2**20)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([config.num_key_value_heads if i in attention_layers else 0 for i in range(layers)])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]) if config.rope_parameters else 10000.0)
+    writer.add_rope_scaling_finetuned(bamba)
+    if bamba:
+        head_dim = hidden // config.num_attention_heads
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+    else:
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+        if experts:
+            writer.add_expert_count(experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
+    inner = config.mamba_expand * hidden
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "pre_ff_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mamba.in_proj": "ssm_in",
+        "mamba.conv1d": "ssm_conv1d",
+        "mamba.norm": "ssm_norm",
+        "mamba.out_proj": "ssm_out",
+        "feed_forward.gate_proj": "ffn_gate",
+        "feed_forward.up_proj": "ffn_up",
+        "feed_forward.down_proj": "ffn_down",
+        "block_sparse_moe.router": "ffn_gate_inp",
+        "shared_mlp.output_linear": "ffn_down_shexp" if experts else "ffn_down",
+    }
+    tensors = _GGUFTensors(writer, projection_format)
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if not name.startswith("model.layers."):
+            glob = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "model.final_layernorm.weight": "output_norm.weight",
+            }
+            tensors.add(glob.get(name, "output.weight"), name, values)
+            continue
+        _, _, index, rest = name.split(".", 3)
+        block = f"blk.{index}"
+        if rest == "mamba.A_log":
+            writer.add_tensor(f"{block}.ssm_a", (-torch.exp(values)).reshape(-1, 1).numpy())
+        elif rest == "mamba.D":
+            writer.add_tensor(f"{block}.ssm_d", values.reshape(-1, 1).numpy())
+        elif rest == "mamba.dt_bias":
+            writer.add_tensor(f"{block}.ssm_dt.bias", values.numpy())
+        elif rest == "mamba.conv1d.weight":
+            writer.add_tensor(f"{block}.ssm_conv1d.weight", values.squeeze(1).numpy())
+        elif rest == "mamba.norm.weight":
+            writer.add_tensor(f"{block}.ssm_norm.weight", values.reshape(config.mamba_n_groups, -1).numpy())
+        elif rest == "block_sparse_moe.experts.gate_up_proj":
+            gate, up = values.chunk(2, dim=1)
+            tensors.add_experts(f"{block}.ffn_gate_exps.weight", gate, expert_format)
+            tensors.add_experts(f"{block}.ffn_up_exps.weight", up, expert_format)
+        elif rest == "block_sparse_moe.experts.down_proj":
+            tensors.add_experts(f"{block}.ffn_down_exps.weight", values, expert_format)
+        elif rest == "shared_mlp.input_linear.weight":
+            gate, up = values.chunk(2, dim=0)
+            shared = "_shexp" if experts else ""
+            tensors.add(f"{block}.ffn_gate{shared}.weight", name.replace("input_linear", "gate_proj"), gate)
+            tensors.add(f"{block}.ffn_up{shared}.weight", name.replace("input_linear", "up_proj"), up)
+        else:
+            module, _, suffix = rest.rpartition(".")
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+                values = _rotary_interleave(values, heads)
+            tensors.add(f"{block}.{names[module]}.{suffix}", name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors.packed
 
 
 def _add_deepseek2_metadata(writer, config) -> None:
