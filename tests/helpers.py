@@ -93,6 +93,17 @@ def assert_greedy_or_top5(llm, prompts: list[list[int]], reference: list[list[in
             assert want[parted] in out.outputs[0].logprobs[parted], (index, parted)
 
 
+def assert_packed_gguf_within_top5(path, tokenizer_dir: str, prompts, reference, max_tokens: int) -> None:
+    """A GGUF file with its blocks kept packed on the default (cpu) kernels, whose activations round to int8 per
+    block: ``reference``'s tokens, or within the top 5 where they part; every KV block returned."""
+    from engine import LLM
+
+    llm = LLM(str(path), tokenizer=tokenizer_dir, dtype="float32", quantization="gguf")
+    assert_greedy_or_top5(llm, prompts, reference, max_tokens)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
 def install_fixture_plugins(tmp_path_factory, *packages: str) -> dict:
     """Pip-install fixture distributions (tests/plugin_fixtures) into a private folder; the environment that
     puts it on PYTHONPATH."""

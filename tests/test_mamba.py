@@ -17,7 +17,7 @@ from engine.model.layers import mamba_reference
 from engine.testing import inspect
 from tests.helpers import (
     assert_all_blocks_free,
-    assert_greedy_or_top5,
+    assert_packed_gguf_within_top5,
     engine_greedy,
     hf_greedy,
     random_prompts,
@@ -355,8 +355,4 @@ def test_a_granitehybrid_gguf_file_matches_transformers(make_tiny_model, tokeniz
             assert config.embedding_multiplier == hf_model.config.embedding_multiplier
         assert_all_blocks_free(llm)
         llm.shutdown()
-    # the cpu plugin's kernels on the packed experts (activations rounded to int8 per block): the parity rule's top 5
-    llm = LLM(str(path), tokenizer=tokenizer_dir, dtype="float32", quantization="gguf")
-    assert_greedy_or_top5(llm, PROMPTS, reference, MAX_TOKENS)
-    assert_all_blocks_free(llm)
-    llm.shutdown()
+    assert_packed_gguf_within_top5(path, tokenizer_dir, PROMPTS, reference, MAX_TOKENS)

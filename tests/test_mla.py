@@ -13,7 +13,7 @@ from engine.config import ConfigError
 from engine.testing import inspect
 from tests.helpers import (
     assert_all_blocks_free,
-    assert_greedy_or_top5,
+    assert_packed_gguf_within_top5,
     engine_greedy,
     hf_greedy,
     random_prompts,
@@ -250,8 +250,4 @@ def test_a_deepseek2_gguf_file_matches_transformers(family, tokenizer_dir, tmp_p
     assert (getattr(attention.kv_a_proj_with_mqa, "quant_weight", None) is not None) == bool(projections)
     assert_all_blocks_free(llm)
     llm.shutdown()
-    # the cpu kernels (activations rounded to int8 per block): transformers' token within the top 5 where they part
-    llm = LLM(str(path), tokenizer=tokenizer_dir, dtype="float32", quantization="gguf")
-    assert_greedy_or_top5(llm, PROMPTS, reference, MAX_TOKENS)
-    assert_all_blocks_free(llm)
-    llm.shutdown()
+    assert_packed_gguf_within_top5(path, tokenizer_dir, PROMPTS, reference, MAX_TOKENS)
