@@ -325,13 +325,13 @@ def test_the_mamba1_scan_runs_each_request_from_its_own_state():
         torch.testing.assert_close(ssm_state[row].double(), h, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["granite-4.0-h", "bamba"])
-def test_a_granitehybrid_gguf_file_matches_transformers(make_tiny_model, tokenizer_dir, tmp_path, name):
-    """A ``granitehybrid`` GGUF file as llama.cpp's converter writes Granite 4.0-H and Bamba (KV heads per layer, 0 for
-    a Mamba2 mixer; A as -exp(A_log), D and the gated norm reshaped, conv1d squeezed; q/k rows interleaved; Granite's
-    multipliers; experts as 3-D Q8_0 blocks): the engine reads back the family, its layer types and its mixers'
-    sizes, and gives transformers' tokens on the same rounded experts, loaded de-quantized or with the experts kept
-    packed (native kernels; the cpu kernels within the top 5)."""
+@pytest.mark.parametrize("name", ["granite-4.0-h", "bamba", "jamba"])
+def test_a_hybrid_gguf_file_matches_transformers(make_tiny_model, tokenizer_dir, tmp_path, name):
+    """A ``granitehybrid`` GGUF file as llama.cpp's converter writes Granite 4.0-H and Bamba, or a ``jamba`` one (KV
+    heads per layer, 0 for a mixer; A as -exp(A_log), D and the gated norm reshaped, conv1d squeezed; Granite's q/k
+    rows interleaved and its multipliers; experts as 3-D Q8_0 blocks): the engine reads back the family, its layer
+    types and its mixers' sizes, and gives transformers' tokens on the same rounded experts, loaded de-quantized or
+    with the experts kept packed (native kernels; the cpu kernels within the top 5)."""
     from engine.testing.models import write_hybrid_gguf
 
     _, hf_model, _ = family_model(make_tiny_model, name)
@@ -346,9 +346,13 @@ def test_a_granitehybrid_gguf_file_matches_transformers(make_tiny_model, tokeniz
         model = inspect(llm).model
         assert type(model).__name__ == hf_model.config.architectures[0]
         config = model.config
-        for key in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand"):
+        mixer = ("mamba_dt_rank",) if name == "jamba" else ("mamba_n_heads", "mamba_n_groups")
+        for key in (*mixer, "mamba_d_state", "mamba_d_conv", "mamba_expand"):
             assert getattr(config, key) == getattr(hf_model.config, key), key
-        if name == "bamba":
+        if name == "jamba":
+            assert config.layers_block_type == hf_model.config.layers_block_type
+            assert (config.expert_layer_period, config.expert_layer_offset) == (2, 1)
+        elif name == "bamba":
             assert config.attn_layer_indices == hf_model.config.attn_layer_indices
         else:
             assert config.layer_types == hf_model.config.layer_types

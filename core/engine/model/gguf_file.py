@@ -2,7 +2,8 @@
 
 Architectures: ``llama`` (Llama, and Mixtral: a ``llama`` file with ``llama.expert_count``), ``qwen3moe``,
 ``deepseek2`` (DeepSeek-V2, and V3: sigmoid gating or a correction bias ``exp_probs_b``) and ``granitehybrid``
-(Granite 4.0-H, and Bamba: Mamba2 mixers beside attention layers, told apart by their KV head count per layer).
+(Granite 4.0-H, and Bamba: Mamba2 mixers beside attention layers, told apart by their KV head count per layer) and
+``jamba`` (Mamba1 mixers, attention and experts at periodic layers).
 An MoE layer's experts are one 3-D tensor per projection in the file (``ffn_gate_exps`` ``[experts, intermediate,
 hidden]`` ...); they are handed to the model expert by expert, under the names a Hugging Face checkpoint gives them.
 llama.cpp writes DeepSeek's latent expansion ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and
@@ -24,6 +25,7 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
     "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
+    "jamba": ("JambaForCausalLM", "jamba"),
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a llama file with experts
 DEEPSEEK_V3 = ("DeepseekV3ForCausalLM", "deepseek_v3")  # a deepseek2 file with sigmoid gating
@@ -34,6 +36,7 @@ ROTARY_PERMUTED = {"llama", "granitehybrid"}  # llama.cpp's converter interleave
 EXPERT_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w2", "w3")),
     "GraniteMoeHybridForCausalLM": ("feed_forward.moe", ("gate_proj", "down_proj", "up_proj")),
+    "JambaForCausalLM": ("feed_forward", ("gate_proj", "down_proj", "up_proj")),
 }
 DEFAULT_EXPERT_NAMES = ("mlp", ("gate_proj", "down_proj", "up_proj"))
 
@@ -83,6 +86,8 @@ def gguf_to_hf_config(path: str):
         if moe["scoring_func"] == "sigmoid":
             hf_arch, model_type = DEEPSEEK_V3
         rope.update(_yarn_settings(reader, arch))
+    elif arch == "jamba":
+        attention, moe = _jamba_settings(reader, num_heads, hidden, num_layers, tensor_names)
     elif arch == "granitehybrid":
         attention, moe = _granite_hybrid_settings(reader, num_heads, hidden, num_layers)
         if moe.pop("bamba"):
@@ -210,6 +215,44 @@ def _granite_hybrid_settings(reader, num_heads: int, hidden: int, num_layers: in
     return attention, moe
 
 
+def _period_and_offset(layers: list[int], num_layers: int, what: str) -> tuple[int, int]:
+    """(period, offset) of layers placed every ``period`` layers from ``offset``, as Jamba's config describes them."""
+    if not layers:
+        return num_layers + 1, num_layers  # none: an offset past the last layer
+    period = layers[1] - layers[0] if len(layers) > 1 else num_layers
+    if layers != list(range(layers[0], num_layers, period)):
+        raise ValueError(f"a jamba file's {what} layers {layers} are not periodic, as Jamba's config needs them")
+    return period, layers[0]
+
+
+def _jamba_settings(reader, num_heads: int, hidden: int, num_layers: int, tensor_names: set[str]) -> tuple[dict, dict]:
+    """Jamba's settings from a ``jamba`` file: attention layers from the per-layer KV head counts, expert layers
+    from the tensors present, each as the period and offset Jamba's config takes; the Mamba1 mixers' sizes."""
+    arch = "jamba"
+    kv_heads = [int(h) for h in _field(reader, f"{arch}.attention.head_count_kv")]
+    attention_period, attention_offset = _period_and_offset(
+        [i for i, h in enumerate(kv_heads) if h > 0], num_layers, "attention"
+    )
+    expert_layers = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_exps.weight" in tensor_names]
+    expert_period, expert_offset = _period_and_offset(expert_layers, num_layers, "expert")
+    attention = dict(
+        num_key_value_heads=max(kv_heads),
+        attn_layer_period=attention_period,
+        attn_layer_offset=attention_offset,
+        mamba_d_state=int(_field(reader, f"{arch}.ssm.state_size")),
+        mamba_d_conv=int(_field(reader, f"{arch}.ssm.conv_kernel")),
+        mamba_expand=int(_field(reader, f"{arch}.ssm.inner_size")) // hidden,
+        mamba_dt_rank=int(_field(reader, f"{arch}.ssm.time_step_rank")),
+    )
+    moe = dict(
+        num_experts=int(_field(reader, f"{arch}.expert_count", 1) or 1),
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 1) or 1),
+        expert_layer_period=expert_period,
+        expert_layer_offset=expert_offset,
+    )
+    return attention, moe
+
+
 def _yarn_settings(reader, arch: str) -> dict:
     """YaRN rotary scaling as transformers names it (llama.cpp keeps 0.1 * mscale_all_dim as ``yarn_log_multiplier``
     and assumes DeepSeek's mscale equal to it), or nothing where the file has no scaling."""
@@ -270,6 +313,18 @@ _ARCH_LAYER_NAMES = {
         "ffn_up": "feed_forward.shared_mlp.up_proj",
         "ffn_down": "feed_forward.shared_mlp.down_proj",
     },
+    "JambaForCausalLM": {
+        "ffn_norm": "pre_ff_layernorm",
+        "ffn_gate": "feed_forward.gate_proj",
+        "ffn_up": "feed_forward.up_proj",
+        "ffn_down": "feed_forward.down_proj",
+        "ssm_x": "mamba.x_proj",
+        "ssm_dt": "mamba.dt_proj",  # Mamba1: the dt projection's weight and bias
+        "ssm_a": "mamba.A_log",
+        "ssm_dt_norm": "mamba.dt_layernorm",
+        "ssm_b_norm": "mamba.b_layernorm",
+        "ssm_c_norm": "mamba.c_layernorm",
+    },
     "BambaForCausalLM": {
         "ffn_norm": "pre_ff_layernorm",
         "ffn_gate": "feed_forward.gate_proj",
@@ -291,11 +346,12 @@ def _hf_name(gguf_name: str, hf_arch: str = "") -> str:
     parts = base.split(".")
     if parts[0] == "blk":
         block, layer = parts[2], f"model.layers.{parts[1]}"
-        if block in _MAMBA2_PARAMETERS:
+        renamed = _ARCH_LAYER_NAMES.get(hf_arch, {}).get(block)
+        if renamed is None and block in _MAMBA2_PARAMETERS:
             return f"{layer}.{_MAMBA2_PARAMETERS[block]}"
-        renamed = _ARCH_LAYER_NAMES.get(hf_arch, {}).get(block) or _MAMBA2_NAMES.get(block)
+        renamed = renamed or _MAMBA2_NAMES.get(block)
         if renamed:
-            return f"{layer}.{renamed}.{suffix}"
+            return f"{layer}.{renamed}" + (f".{suffix}" if suffix else "")
         module, experts = EXPERT_NAMES.get(hf_arch, DEFAULT_EXPERT_NAMES)
         if block == "ffn_gate_inp":
             return f"{layer}.{module}.gate.{suffix}"
@@ -362,12 +418,14 @@ def iterate_gguf_weights(
 
 
 def _mamba2_parameter(name: str, values: np.ndarray) -> np.ndarray:
-    """A Mamba2 mixer's tensor in Hugging Face's shape: llama.cpp squeezes the conv1d weight to [channels, kernel],
-    keeps A as -exp(A_log) [heads, 1] (back to A_log here), D as [heads, 1] and the gated norm as [groups, width]."""
+    """A Mamba mixer's tensor in Hugging Face's shape: llama.cpp squeezes the conv1d weight to [channels, kernel],
+    keeps A as -exp(A_log) (back to A_log here; Mamba2's [heads, 1], Mamba1's [channels, state]), Mamba2's D as
+    [heads, 1] and its gated norm as [groups, width]."""
     if name.endswith("mamba.conv1d.weight"):
         return values.reshape(values.shape[0], 1, -1)
     if name.endswith("mamba.A_log"):
-        return np.log(-values).reshape(-1)
+        a_log = np.log(-values)
+        return a_log.reshape(-1) if a_log.shape[-1] == 1 else a_log
     if name.endswith(("mamba.D", "mamba.norm.weight")):
         return values.reshape(-1)
     return values

@@ -238,32 +238,122 @@ def _rotary_interleave(values: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_hybrid_gguf(hf_model, path: str | Path, expert_format: str = "q8_0", projection_format: str | None = None):
-    """Write a transformers Granite 4.0-H (GraniteMoeHybrid) or Bamba as llama.cpp's converter writes them
-    (``granitehybrid``): KV heads per layer (0 for a Mamba2 mixer), A as -exp(A_log) [heads, 1], D [heads, 1], the
-    conv1d weight squeezed, the gated norm as [groups, width], q/k rows interleaved, Granite's multipliers, the
-    shared MLP's fused input split in gate and up (the dense FFN where the model has no experts), experts packed in
-    ``expert_format``; rotary attention only for Bamba (``rope.scaling.finetuned``). Returns the packed projections'
-    Hugging Face names (``projection_format``, as :func:`write_moe_gguf`)."""
+    """Write a transformers Jamba (``jamba``: Mamba1 mixers, A as -exp(A_log) [channels, state], conv1d squeezed, q/k
+    rows as they are) or a Granite 4.0-H (GraniteMoeHybrid) or Bamba (``granitehybrid``: A as -exp(A_log) [heads, 1],
+    D [heads, 1], conv1d squeezed, the gated norm as [groups, width], q/k rows interleaved, Granite's multipliers, the
+    shared MLP's fused input split in gate and up, the dense FFN where the model has no experts, rotary attention only
+    for Bamba: ``rope.scaling.finetuned``) as llama.cpp's converter writes them, with the KV heads per layer (0 for a
+    mixer) and experts packed in ``expert_format``. Returns the packed projections' Hugging Face names
+    (``projection_format``, as :func:`write_moe_gguf`)."""
     import gguf
 
     config = hf_model.config
-    bamba = config.model_type == "bamba"
-    arch = "granitehybrid"
+    bamba, jamba = config.model_type == "bamba", config.model_type == "jamba"
+    arch = "jamba" if jamba else "granitehybrid"
     writer = gguf.GGUFWriter(str(path), arch)
     hidden, layers = config.hidden_size, config.num_hidden_layers
     if bamba:
         attention_layers = set(config.attn_layer_indices)
+    elif jamba:
+        attention_layers = {i for i, kind in enumerate(config.layers_block_type) if kind == "attention"}
     else:
         attention_layers = {i for i, kind in enumerate(config.layer_types) if kind in ("attention", "full_attention")}
-    experts = 0 if bamba else int(config.num_local_experts or 0)
+    experts = 0 if bamba else int((config.num_experts if jamba else config.num_local_experts) or 0)
     writer.add_block_count(layers)
-    writer.add_context_length(config.max_position_embeddings if bamba else 2**20)
+    writer.add_context_length(config.max_position_embeddings if bamba or jamba else 2**20)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv([config.num_key_value_heads if i in attention_layers else 0 for i in range(layers)])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if jamba:  # no rotary embedding; Mamba1 mixers with their dt rank; experts on some layers
+        writer.add_ssm_conv_kernel(config.mamba_d_conv)
+        writer.add_ssm_state_size(config.mamba_d_state)
+        writer.add_ssm_inner_size(config.mamba_expand * hidden)
+        writer.add_ssm_time_step_rank(config.mamba_dt_rank)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    else:
+        _add_mamba2_metadata(writer, config, bamba, experts)
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "pre_ff_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mamba.in_proj": "ssm_in",
+        "mamba.conv1d": "ssm_conv1d",
+        "mamba.norm": "ssm_norm",
+        "mamba.out_proj": "ssm_out",
+        "mamba.x_proj": "ssm_x",
+        "mamba.dt_proj": "ssm_dt",
+        "mamba.dt_layernorm": "ssm_dt_norm",
+        "mamba.b_layernorm": "ssm_b_norm",
+        "mamba.c_layernorm": "ssm_c_norm",
+        "feed_forward.gate_proj": "ffn_gate",
+        "feed_forward.up_proj": "ffn_up",
+        "feed_forward.down_proj": "ffn_down",
+        "feed_forward.router": "ffn_gate_inp",
+        "block_sparse_moe.router": "ffn_gate_inp",
+        "shared_mlp.output_linear": "ffn_down_shexp" if experts else "ffn_down",
+    }
+    tensors = _GGUFTensors(writer, projection_format)
+    for name, tensor in hf_model.state_dict().items():
+        values = tensor.detach().float()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if not name.startswith("model.layers."):
+            glob = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "model.final_layernorm.weight": "output_norm.weight",
+            }
+            tensors.add(glob.get(name, "output.weight"), name, values)
+            continue
+        _, _, index, rest = name.split(".", 3)
+        block = f"blk.{index}"
+        mamba1 = jamba  # Mamba1's A [channels, state] and D [channels] keep their shapes
+        if rest == "mamba.A_log":
+            a = -torch.exp(values)
+            writer.add_tensor(f"{block}.ssm_a", (a if mamba1 else a.reshape(-1, 1)).numpy())
+        elif rest == "mamba.D":
+            writer.add_tensor(f"{block}.ssm_d", (values if mamba1 else values.reshape(-1, 1)).numpy())
+        elif rest == "mamba.dt_bias":
+            writer.add_tensor(f"{block}.ssm_dt.bias", values.numpy())
+        elif rest == "mamba.conv1d.weight":
+            writer.add_tensor(f"{block}.ssm_conv1d.weight", values.squeeze(1).numpy())
+        elif rest == "mamba.norm.weight":
+            writer.add_tensor(f"{block}.ssm_norm.weight", values.reshape(config.mamba_n_groups, -1).numpy())
+        elif rest.endswith("experts.gate_up_proj"):
+            gate, up = values.chunk(2, dim=1)
+            tensors.add_experts(f"{block}.ffn_gate_exps.weight", gate, expert_format)
+            tensors.add_experts(f"{block}.ffn_up_exps.weight", up, expert_format)
+        elif rest.endswith("experts.down_proj"):
+            tensors.add_experts(f"{block}.ffn_down_exps.weight", values, expert_format)
+        elif rest == "shared_mlp.input_linear.weight":
+            gate, up = values.chunk(2, dim=0)
+            shared = "_shexp" if experts else ""
+            tensors.add(f"{block}.ffn_gate{shared}.weight", name.replace("input_linear", "gate_proj"), gate)
+            tensors.add(f"{block}.ffn_up{shared}.weight", name.replace("input_linear", "up_proj"), up)
+        else:
+            module, _, suffix = rest.rpartition(".")
+            if module in ("self_attn.q_proj", "self_attn.k_proj") and not jamba:  # llama.cpp permutes Granite's
+                heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+                values = _rotary_interleave(values, heads)
+            tensors.add(f"{block}.{names[module]}.{suffix}", name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors.packed
+
+
+def _add_mamba2_metadata(writer, config, bamba: bool, experts: int) -> None:
+    """A ``granitehybrid`` file's rotary, Granite and Mamba2 settings, as llama.cpp's converter writes them."""
+    hidden = config.hidden_size
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]) if config.rope_parameters else 10000.0)
     writer.add_rope_scaling_finetuned(bamba)
     if bamba:
@@ -284,71 +374,6 @@ def write_hybrid_gguf(hf_model, path: str | Path, expert_format: str = "q8_0", p
     writer.add_ssm_group_count(config.mamba_n_groups)
     writer.add_ssm_inner_size(inner)
     writer.add_ssm_time_step_rank(config.mamba_n_heads)
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "pre_ff_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mamba.in_proj": "ssm_in",
-        "mamba.conv1d": "ssm_conv1d",
-        "mamba.norm": "ssm_norm",
-        "mamba.out_proj": "ssm_out",
-        "feed_forward.gate_proj": "ffn_gate",
-        "feed_forward.up_proj": "ffn_up",
-        "feed_forward.down_proj": "ffn_down",
-        "block_sparse_moe.router": "ffn_gate_inp",
-        "shared_mlp.output_linear": "ffn_down_shexp" if experts else "ffn_down",
-    }
-    tensors = _GGUFTensors(writer, projection_format)
-    for name, tensor in hf_model.state_dict().items():
-        values = tensor.detach().float()
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if not name.startswith("model.layers."):
-            glob = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "model.final_layernorm.weight": "output_norm.weight",
-            }
-            tensors.add(glob.get(name, "output.weight"), name, values)
-            continue
-        _, _, index, rest = name.split(".", 3)
-        block = f"blk.{index}"
-        if rest == "mamba.A_log":
-            writer.add_tensor(f"{block}.ssm_a", (-torch.exp(values)).reshape(-1, 1).numpy())
-        elif rest == "mamba.D":
-            writer.add_tensor(f"{block}.ssm_d", values.reshape(-1, 1).numpy())
-        elif rest == "mamba.dt_bias":
-            writer.add_tensor(f"{block}.ssm_dt.bias", values.numpy())
-        elif rest == "mamba.conv1d.weight":
-            writer.add_tensor(f"{block}.ssm_conv1d.weight", values.squeeze(1).numpy())
-        elif rest == "mamba.norm.weight":
-            writer.add_tensor(f"{block}.ssm_norm.weight", values.reshape(config.mamba_n_groups, -1).numpy())
-        elif rest == "block_sparse_moe.experts.gate_up_proj":
-            gate, up = values.chunk(2, dim=1)
-            tensors.add_experts(f"{block}.ffn_gate_exps.weight", gate, expert_format)
-            tensors.add_experts(f"{block}.ffn_up_exps.weight", up, expert_format)
-        elif rest == "block_sparse_moe.experts.down_proj":
-            tensors.add_experts(f"{block}.ffn_down_exps.weight", values, expert_format)
-        elif rest == "shared_mlp.input_linear.weight":
-            gate, up = values.chunk(2, dim=0)
-            shared = "_shexp" if experts else ""
-            tensors.add(f"{block}.ffn_gate{shared}.weight", name.replace("input_linear", "gate_proj"), gate)
-            tensors.add(f"{block}.ffn_up{shared}.weight", name.replace("input_linear", "up_proj"), up)
-        else:
-            module, _, suffix = rest.rpartition(".")
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
-                values = _rotary_interleave(values, heads)
-            tensors.add(f"{block}.{names[module]}.{suffix}", name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return tensors.packed
 
 
 def _add_deepseek2_metadata(writer, config) -> None:
