@@ -70,7 +70,7 @@ def gguf_to_hf_config(path: str):
     tensor_names = {t.name for t in reader.tensors}
     num_layers = int(_field(reader, f"{arch}.block_count"))
     moe: dict = {}
-    if num_experts and arch != "deepseek2":
+    if num_experts and arch in ("llama", "qwen3moe"):  # the others read their experts' settings below
         moe = dict(num_local_experts=int(num_experts)) if hf_arch == MIXTRAL[0] else dict(num_experts=int(num_experts))
         moe["num_experts_per_tok"] = int(_field(reader, f"{arch}.expert_used_count"))
     if arch == "qwen3moe":
