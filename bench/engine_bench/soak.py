@@ -21,6 +21,8 @@ from engine_bench.workloads import BenchRequest
 
 CANCEL_EVERY = 20
 HOSTILE_EVERY = 50
+# where in its cycle each kind falls: early, so that even a short run holds one of each
+CANCEL_AT, HOSTILE_AT = 4, 9
 # bodies the server must refuse with 400 (raw JSON text: some are not valid JSON on purpose)
 HOSTILE_BODIES = (
     '{"prompt": [1000000000], "max_tokens": 4}',  # a token id past the vocabulary
@@ -179,18 +181,20 @@ async def drive(
     tasks: set[asyncio.Task] = set()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        index = 0
-        while time.monotonic() - start < duration_s:
-            if index % HOSTILE_EVERY == HOSTILE_EVERY - 1:
+        index, arrival = 0, start
+        while arrival - start < duration_s:
+            if index % HOSTILE_EVERY == HOSTILE_AT:
                 job = _hostile(client, url, index // HOSTILE_EVERY, counts)
             else:
-                cancel = index % CANCEL_EVERY == CANCEL_EVERY - 1
+                cancel = index % CANCEL_EVERY == CANCEL_AT
                 job = _normal(client, url, requests[index % len(requests)], cancel or index % 2 == 0, cancel, counts)
             task = asyncio.create_task(job)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             index += 1
-            await asyncio.sleep(rng.expovariate(rate))
+            # arrivals keep to their own clock: time spent sending does not slow the rate
+            arrival += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, arrival - time.monotonic()))
         if tasks:
             await asyncio.gather(*tasks)
     sampling.cancel()
