@@ -39,11 +39,11 @@ def test_the_built_in_paths_pass_and_every_probe_is_within_the_table(tiny_llama)
     assert report["sampler"]["passes"] and report["guilty"] == [] and report["bisect"] == []
 
 
-def run_check(model: str, env: dict, tmp_path, *flags: str) -> tuple[int, dict, str]:
+def run_check(model: str, env: dict, tmp_path, *flags: str, draws: int = 200_000) -> tuple[int, dict, str]:
     out, plot = tmp_path / "report.json", tmp_path / "errors.png"
     done = subprocess.run(
         [sys.executable, "-m", "engine.entrypoints.cli", "check", "numerics", model, "--dtype", "float32"]
-        + ["--prompts", "2", "--sampler-draws", "200000", "--output", str(out), "--plot", str(plot), *flags],
+        + ["--prompts", "2", "--sampler-draws", str(draws), "--output", str(out), "--plot", str(plot), *flags],
         env=env,
         capture_output=True,
         text=True,
@@ -69,8 +69,9 @@ def test_a_skewed_softmax_and_a_shifted_sampler_are_each_named(tiny_llama, skewe
 
 
 def test_products_rounded_to_bfloat16_are_named_and_not_the_attention(tiny_llama, skewed_env, tmp_path):
-    code, report, _ = run_check(tiny_llama, skewed_env, tmp_path, "--layer-kernels", "bf16_round")
-    assert code == 1
+    # the built-in sampler is not under test here: a few draws keep its check short
+    code, report, _ = run_check(tiny_llama, skewed_env, tmp_path, "--layer-kernels", "bf16_round", draws=20_000)
+    assert code == 1 and report["sampler"]["passes"]
     assert [(g["kind"], g["plugin"]) for g in report["guilty"]] == [("layer_kernels", "bf16_round")]
     assert report["first_failure"]["name"] in ("layer0.attention", "layer0.self_attn")  # q/k/v, then o_proj
     assert report["first_failure"]["relative_error"] > 10 * report["first_failure"]["tolerance"]

@@ -13,6 +13,7 @@ from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.sampler import SamplingMetadata
 from engine.sample.builtin_logits_processors import MinPLogitsProcessor
 from engine.sample.default_sampler import DefaultSampler
+from engine.sample.ops import apply_top_k_top_p
 from engine.sampling_params import SamplingParams
 
 ROWS = 20000
@@ -60,6 +61,32 @@ def test_greedy_is_argmax():
 def test_top_k_only_the_k_best_appear(k):
     seen = set(sample(1.5, top_k=k).tolist())
     assert seen == set(range(k))  # all of them, and nothing else
+
+
+def sorted_top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k by sorting each whole row: the k-th largest value is the threshold, ties with it kept."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    kth = logits.sort(dim=-1).values.gather(1, (vocab - k).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+@pytest.mark.parametrize("ks", [[1, 3, 0, 40], [2, 2, 2, 2], [0, 0, 7, 0], [300, 5, 1000, 0], [0, 0, 0, 0]])
+def test_top_k_without_a_sort_masks_the_tokens_a_sort_masks(ks):
+    """The top-k-only path (one topk of the batch's largest k, or a sort where k is a large share of the
+    vocabulary) keeps exactly the tokens the sorted threshold keeps: ties at the k-th value, rows with k off (0)
+    or past the vocabulary."""
+    generator = torch.Generator().manual_seed(len(ks) + sum(ks))
+    rows = len(ks)
+    logits = torch.randn(rows, 512, generator=generator)
+    logits[:, ::7] = logits[:, :1]  # many ties, some at the k-th value
+    logits[1, :] = torch.round(logits[1, :])  # a row of a few distinct values
+    top_k = torch.tensor(ks)
+    fast = apply_top_k_top_p(logits.clone(), top_k, None)
+    assert torch.equal(fast, sorted_top_k_mask(logits, top_k))
+    kept = (fast > float("-inf")).sum(dim=-1)
+    for row, k in enumerate(ks):
+        assert kept[row] >= min(k if k > 0 else 512, 512)  # at least k, more only by ties
 
 
 @pytest.mark.parametrize("p", [0.3, 0.6, 0.9])

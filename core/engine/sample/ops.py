@@ -13,20 +13,38 @@ def apply_top_k_top_p(
     logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. k=0 and p=1 mean off."""
-    if top_k is None and top_p is None:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_p is None:
+        return logits if top_k is None else apply_top_k_only(logits, top_k)
     vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        outside = cumulative <= (1 - top_p).unsqueeze(1)
-        outside[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= (1 - top_p).unsqueeze(1)
+    outside[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k without a sort of the vocabulary: each row's k-th largest logit from one ``topk`` of the largest k in
+    the batch, and everything below it masked. The same tokens as the sorted path (ties with the k-th are kept)."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    limited = k < vocab
+    if not bool(limited.any()):
+        return logits
+    max_k = int(k[limited].max())
+    if max_k > vocab // 4:  # a large k: sorting the row costs less than a partial selection of most of it
+        sorted_logits = logits.sort(dim=-1).values
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    else:
+        largest = logits.topk(max_k, dim=-1).values
+        kth = largest.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth = torch.where(limited.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def sampling_probs(logits: torch.Tensor, metadata) -> torch.Tensor:
