@@ -131,7 +131,7 @@ def test_an_overloaded_server_answers_503_with_retry_after_and_loses_nothing_it_
 
 
 def test_serve_bench_finds_the_sustainable_rate_and_counts_refusals_apart(bounded_server, tmp_path):
-    """`engine bench serve --request-rate x1,x4 --slo-ttft-ms`: a saturating run finds the sustainable rate, the
+    """`engine bench serve --request-rate x1,x8 --slo-ttft-ms`: a saturating run finds the sustainable rate, the
     runs at its multiples report goodput and the calls the bounded server refused (503 + Retry-After), which are
     not failures (exit code 0)."""
     from tests.test_bench import engine, is_png
@@ -151,7 +151,7 @@ def test_serve_bench_finds_the_sustainable_rate_and_counts_refusals_apart(bounde
         "--output-len",
         "24",
         "--request-rate",
-        "x1,x4",
+        "x1,x8",
         "--slo-ttft-ms",
         "60000",
         "--output",
@@ -162,12 +162,13 @@ def test_serve_bench_finds_the_sustainable_rate_and_counts_refusals_apart(bounde
     assert result.returncode == 0, result.stdout + result.stderr
     runs = json.loads(out.read_text())["runs"]
     sustainable = runs[0]["sustainable_rate"]
-    assert sustainable > 0 and [r["rate_multiple"] for r in runs] == [1.0, 4.0]
-    assert [r["request_rate"] for r in runs] == pytest.approx([sustainable, 4 * sustainable])
+    assert sustainable > 0 and [r["rate_multiple"] for r in runs] == [1.0, 8.0]
+    assert [r["request_rate"] for r in runs] == pytest.approx([sustainable, 8 * sustainable])
     for run in runs:
         assert run["failed"] == 0 and run["completed"] + run["refused"] == 16
         assert run["goodput"] == pytest.approx(run["completed"] / run["duration_s"])  # every TTFT within 60 s
         assert run["slo_attained"] == pytest.approx(run["completed"] / 16)
-    # 16 calls at 4x the rate one running slot sustains, at most 2 waiting: the server refused some
-    assert runs[1]["refused"] > 0
+    # 16 calls at 8x the rate one running slot sustains (a margin for a probe that ran slow), at most 2 waiting:
+    # the server refused some
+    assert runs[1]["refused"] > 0, runs
     assert is_png(plot) and is_png(tmp_path / "serve_goodput.png")

@@ -94,11 +94,13 @@ async def run_serve_bench(
             key = request.conversation if any(r.turn for r in requests) else index
             conversations.setdefault(key, []).append(request)
         tasks = []
-        start = time.perf_counter()
+        start = arrival = time.perf_counter()
         for turns in conversations.values():
             tasks.append(asyncio.create_task(limited(sorted(turns, key=lambda r: r.turn))))
             if request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(request_rate))
+                # arrivals keep their own clock: time spent sending does not lower the rate offered
+                arrival += rng.expovariate(request_rate)
+                await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
         results = [result for group in await asyncio.gather(*tasks) for result in group]
         duration = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
