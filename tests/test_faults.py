@@ -413,7 +413,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(hostile_server):
 
 
 def abandon_non_streaming(
-    srv: Server, headers: dict, count: int = 6, max_tokens: int = 900, hang_up_after: float = 1.0
+    srv: Server, headers: dict, count: int = 6, max_tokens: int = 900, hang_up_after: float = 0.4
 ) -> None:
     """Non-streaming requests whose clients hang up (after ``hang_up_after`` s) must stop generating."""
     before = metrics(srv)

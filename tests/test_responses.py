@@ -231,7 +231,7 @@ def test_priorities_are_served_and_disconnects_leave_no_kv_in_use(features_serve
         return events
 
     async def beam_search_cut_short() -> None:
-        body = {"prompt": "beams", "max_tokens": 200, "n": 4, "use_beam_search": True, "ignore_eos": True}
+        body = {"prompt": "beams", "max_tokens": 480, "n": 4, "use_beam_search": True, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=1.0) as http:
             with pytest.raises(httpx.TimeoutException):
                 await http.post(url + "/v1/completions", json=body)
