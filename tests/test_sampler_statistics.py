@@ -73,9 +73,8 @@ def sorted_top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor
 
 @pytest.mark.parametrize("ks", [[1, 3, 0, 40], [2, 2, 2, 2], [0, 0, 7, 0], [300, 5, 1000, 0], [0, 0, 0, 0]])
 def test_top_k_without_a_sort_masks_the_tokens_a_sort_masks(ks):
-    """The top-k-only path (one topk of the batch's largest k, or a sort where k is a large share of the
-    vocabulary) keeps exactly the tokens the sorted threshold keeps: ties at the k-th value, rows with k off (0)
-    or past the vocabulary."""
+    """The top-k-only path (one topk of the batch's largest k) keeps exactly the tokens the sorted threshold keeps:
+    ties at the k-th value, rows with k off (0) or past the vocabulary, k near the vocabulary's size."""
     generator = torch.Generator().manual_seed(len(ks) + sum(ks))
     rows = len(ks)
     logits = torch.randn(rows, 512, generator=generator)

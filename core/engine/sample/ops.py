@@ -37,12 +37,8 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     if not bool(limited.any()):
         return logits
     max_k = int(k[limited].max())
-    if max_k > vocab // 4:  # a large k: sorting the row costs less than a partial selection of most of it
-        sorted_logits = logits.sort(dim=-1).values
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-    else:
-        largest = logits.topk(max_k, dim=-1).values
-        kth = largest.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
+    largest = logits.topk(max_k, dim=-1).values
+    kth = largest.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
     kth = torch.where(limited.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
     return logits.masked_fill(logits < kth, float("-inf"))
 
