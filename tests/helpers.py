@@ -17,6 +17,7 @@ __all__ = [
     "Server",
     "alive",
     "assert_all_blocks_free",
+    "command_line",
     "free_port",
     "hf_greedy",
     "install_fixture_plugins",
@@ -59,6 +60,17 @@ def alive(processes: list) -> list:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def command_line(process) -> str:
+    """``process``'s (psutil) command line as one string; "" once it has ended or is a zombie not yet reaped (a
+    short-lived child can end between listing and reading)."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # ZombieProcess is one
+        return ""
 
 
 def assert_all_blocks_free(llm) -> None:

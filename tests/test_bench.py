@@ -600,7 +600,7 @@ def test_a_killed_bench_takes_its_measurement_process_with_it(tiny_llama):
 
     import psutil
 
-    from tests.helpers import wait_until
+    from tests.helpers import command_line, wait_until
 
     command = [sys.executable, "-m", "engine.entrypoints.cli", "bench", "throughput", "--model", tiny_llama]
     command += ["--workload", "random", "--num-prompts", "400", "--input-len", "64", "--output-len", "400"]
@@ -609,7 +609,7 @@ def test_a_killed_bench_takes_its_measurement_process_with_it(tiny_llama):
         parent = psutil.Process(bench.pid)
 
         def measuring() -> list:  # the spawned measurement process (not multiprocessing's resource tracker)
-            return [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+            return [p for p in parent.children() if "spawn_main" in command_line(p)]
 
         assert wait_until(lambda: bool(measuring()), timeout=120), "no measurement process"
         children = measuring()

@@ -31,6 +31,7 @@ from tests.helpers import (
     Server,
     alive,
     assert_all_blocks_free,
+    command_line,
     install_fixture_plugins,
     random_prompts,
     wait_for_async,
@@ -50,7 +51,8 @@ def engine_core_of(srv: Server) -> psutil.Process:
     """The engine-core process: the server's child that is not multiprocessing's resource tracker."""
     for _ in range(100):
         for child in psutil.Process(srv.proc.pid).children():
-            if "resource_tracker" not in " ".join(child.cmdline()):
+            command = command_line(child)
+            if command and "resource_tracker" not in command:
                 return child
         time.sleep(0.1)
     raise AssertionError("no engine-core process")
