@@ -27,8 +27,10 @@ from engine_attention_cpu.moe import (
     NEVER,
     CpuFusedExperts,
     CpuQuantizedExperts,
+    lossless_panel_dtype,
     measure_dequant_min_rows,
     measure_onednn_min_rows,
+    measure_panel_dtype,
     onednn_dtype,
 )
 from engine_attention_cpu.quant import DequantizedGemmProduct, QuantDotProduct, variants
@@ -68,6 +70,7 @@ class CpuLayerKernels(NativeLayerKernels):
         self._mamba = _load_mamba_ops()
         self._lora = load_lora_ops()
         self._expert_kinds: dict[tuple, int] = {}  # experts' shapes and dtype or format -> rows where the kind switches
+        self._panel_dtypes: dict[tuple, torch.dtype] = {}  # experts' shapes and dtypes -> the panels' dtype
 
     @classmethod
     def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -149,14 +152,35 @@ class CpuLayerKernels(NativeLayerKernels):
             min_rows, timings = measure_onednn_min_rows(w13, w2, dtype, self._gemm)
             self._expert_kinds[key] = min_rows
             logger.info(
-                "experts %s / %s: oneDNN (%s) takes products of %s rows, the AVX2 GEMM the rest (us per product: %s)",
+                "experts %s / %s: oneDNN (%s) takes products of %s rows, the GEMM's panels the rest "
+                "(us per product: %s)",
                 "x".join(map(str, w13.shape[1:])),
                 "x".join(map(str, w2.shape[1:])),
                 str(dtype).replace("torch.", ""),
                 "no" if min_rows >= 1 << 62 else f"{min_rows}+",
                 timings,
             )
-        return CpuFusedExperts(w13, w2, self._expert_kinds[key], dtype)
+        min_rows = self._expert_kinds[key]
+        return CpuFusedExperts(w13, w2, min_rows, dtype, self._panel_dtype(w13, w2, min_rows))
+
+    def _panel_dtype(self, w13: torch.Tensor, w2: torch.Tensor, onednn_min_rows: int) -> torch.dtype:
+        """The experts' panel dtype: 16-bit where it holds every weight exactly and a decode-like step measured on the
+        first such layer ran clearly faster on it (once per shape and dtypes), else float32."""
+        half = lossless_panel_dtype(w13, w2) if onednn_min_rows > 1 and self._gemm else None
+        if half is None:
+            return torch.float32
+        key = ("panels", tuple(w13.shape), tuple(w2.shape), w13.dtype, half, onednn_min_rows)
+        if key not in self._panel_dtypes:
+            chosen, timings = measure_panel_dtype(w13, w2, half, onednn_min_rows)
+            self._panel_dtypes[key] = chosen
+            logger.info(
+                "experts %s: %s panels (exact for these weights) for the GEMM's products (us per decode-like step of "
+                "every expert: %s)",
+                "x".join(map(str, w13.shape)),
+                str(chosen).replace("torch.", ""),
+                timings,
+            )
+        return self._panel_dtypes[key]
 
     def pack_quantized_experts(self, w13, w2):
         """Packed quantized experts run in C++ as they are stored (``moe.CpuQuantizedExperts``): the widest integer-dot

@@ -5,10 +5,13 @@
 // over every row at once, then each expert's down product, and the weighted outputs are added into each token's
 // row in the order of the experts' ids (as the torch reference adds them). No Python between the experts.
 //
-// An expert's product is one of two kinds, chosen by its row count (the caller measures both at load): the AVX2
-// GEMM of gemm.cpp on 16-column panels (its row-parallel GEMV for up to 4 rows), or oneDNN's packed product
-// (mkldnn::_linear_pointwise on a weight reordered once, in float32 or the model's 16-bit dtype). Each kind gives a
-// row's result independently of the other rows it runs with.
+// An expert's product is one of two kinds, chosen by its row count (the caller measures both at load): the GEMM of
+// gemm.cpp on 16-column panels (its GEMV for up to 16 rows, in the widest variant this CPU runs), or oneDNN's
+// packed product (mkldnn::_linear_pointwise on a weight reordered once, in float32 or the model's 16-bit dtype).
+// The panels hold float32, or bfloat16 / float16 when every weight is exactly that (a 16-bit model's, or a float32
+// model's loaded from a 16-bit checkpoint): widened to float32 as they are read, they give the float32 panels' bits
+// and read half the bytes, which is what a decode step's experts cost. Each kind gives a row's result
+// independently of the other rows it runs with.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -47,14 +50,27 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
   return stack[0].toTensor();
 }
 
-// How one layer's experts run their products: panels (AVX2 GEMM) below `onednn_min_rows` rows, oneDNN from there.
+// How one layer's experts run their products: panels (the GEMM) below `onednn_min_rows` rows, oneDNN from there.
 struct ExpertWeightsView {
-  c10::optional<torch::Tensor> panels;         // [E, panels, K, 16] float32, or none
+  c10::optional<torch::Tensor> panels;         // [E, panels, K, 16] float32, bfloat16 or float16, or none
   const std::vector<torch::Tensor>* onednn;     // one reordered weight per expert, or empty
   int64_t onednn_min_rows;
   // whether an expert product of m rows runs on oneDNN (else on the panels)
   bool onednn_takes(int64_t m) const { return !onednn->empty() && (m >= onednn_min_rows || !panels.has_value()); }
 };
+
+#ifdef ENGINE_AVX2
+// Whether the expert products' own kernels run the GEMM's AVX-512 variant: its widest on this CPU (the variants give
+// the same bits); the SIMDe build for tests always runs it, emulated.
+bool widest_is_avx512() {
+#ifdef ENGINE_EMULATE_AVX512
+  return true;
+#else
+  static const bool avx512 = engine_cpu::default_variant() == engine_cpu::kVariantAvx512;
+  return avx512;
+#endif
+}
+#endif
 
 // out[m, n] = x[m, k] @ W.T for one expert (rows are contiguous), by the kind its row count takes (products of
 // up to kSmallRows rows on the panels run in run_products' shared pass instead).
@@ -71,10 +87,88 @@ void expert_product(const float* x, int64_t m, int64_t k, const ExpertWeightsVie
   }
   TORCH_CHECK(weights.panels.has_value(), "no packed weights for an expert product of ", m, " rows");
   const torch::Tensor packed = (*weights.panels)[expert];
-  engine_cpu::linear(result, rows, packed, c10::nullopt);
+  if (packed.scalar_type() == at::kFloat) {
+    engine_cpu::linear(result, rows, packed, c10::nullopt);
+    return;
+  }
+#ifdef ENGINE_AVX2
+  // 16-bit panels: widened into the thread's buffer once per product (a work item is a panel, or a pair of panels
+  // for the AVX-512 tile, against every row), then the float32 register tile of the widest variant, as quantized
+  // weights are de-quantized (quant_gemm.cpp)
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(packed.scalar_type(), "expert_product", [&] {
+    const scalar_t* w = packed.data_ptr<scalar_t>();
+    const int64_t panel_elements = k * engine_cpu::kCols;
+    auto widened = [w, panel_elements](int64_t q, int64_t count) {
+      thread_local std::vector<float> buffer;
+      if (buffer.size() < static_cast<size_t>(2 * panel_elements)) buffer.resize(2 * panel_elements);
+      const scalar_t* src = w + q * panel_elements;
+      for (int64_t i = 0; i < count * panel_elements; i += 8)
+        engine_cpu::store8(buffer.data() + i, engine_cpu::load8(src + i));
+      return static_cast<const float*>(buffer.data());
+    };
+    if (widest_is_avx512()) {
+      engine_cpu::avx512::linear_pairs(
+          out, n, x, k, m, k, packed.size(0), nullptr,
+          [&widened](int64_t q, bool pair) { return widened(q, pair ? 2 : 1); }, /*whole_rows=*/true);
+    } else {
+      engine_cpu::linear_panels(
+          out, n, x, k, m, k, packed.size(0), nullptr, [&widened](int64_t q) { return widened(q, 1); },
+          /*whole_rows=*/true);
+    }
+  });
+#else
+  TORCH_CHECK(false, "16-bit expert panels need the AVX2 build");
+#endif
 }
 
 constexpr int64_t kSmallRows = 16;  // experts with at most this many rows share one pass over (expert, panel) items
+
+#ifdef ENGINE_AVX2
+// R <= 4 rows against panels [q0, q1), in the GEMM's widest variant.
+template <typename W>
+void gemv_rows(int64_t rows, const float* x, int64_t k, const W* w, int64_t n, float* c, int64_t q0, int64_t q1) {
+  if (widest_is_avx512()) {
+    switch (rows) {
+      case 1: return engine_cpu::avx512::gemv_panels<1>(x, k, w, k, n, nullptr, c, n, q0, q1);
+      case 2: return engine_cpu::avx512::gemv_panels<2>(x, k, w, k, n, nullptr, c, n, q0, q1);
+      case 3: return engine_cpu::avx512::gemv_panels<3>(x, k, w, k, n, nullptr, c, n, q0, q1);
+      default: return engine_cpu::avx512::gemv_panels<4>(x, k, w, k, n, nullptr, c, n, q0, q1);
+    }
+  }
+  switch (rows) {
+    case 1: return engine_cpu::gemv_panels<1>(x, k, w, k, n, nullptr, c, n, q0, q1);
+    case 2: return engine_cpu::gemv_panels<2>(x, k, w, k, n, nullptr, c, n, q0, q1);
+    case 3: return engine_cpu::gemv_panels<3>(x, k, w, k, n, nullptr, c, n, q0, q1);
+    default: return engine_cpu::gemv_panels<4>(x, k, w, k, n, nullptr, c, n, q0, q1);
+  }
+}
+
+constexpr int64_t kPanelSpan = 4;  // panels a small product runs at once: at most 256 KiB of float32 weight (K 1024)
+
+// The experts `small` (few rows each) in one job of the spin pool over (expert, panel) items: item_start[s] is the
+// first item of small[s]; panels [E, panels_per_expert, K, 16] of element type W.
+template <typename W>
+void run_small_products(const float* x, int64_t k, const W* panels, int64_t panels_per_expert,
+                        const std::vector<int64_t>& counts, const std::vector<int64_t>& small,
+                        const std::vector<int64_t>& item_start, int64_t n, float* out) {
+  const int64_t expert_elements = panels_per_expert * k * engine_cpu::kCols;
+  engine_pool::parallel_range(item_start.back(), 8, [&](int64_t i0, int64_t i1) {
+    while (i0 < i1) {  // a run of one expert's panels [q0, q1)
+      const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), i0) - item_start.begin() - 1;
+      const int64_t q0 = i0 - item_start[s], q1 = std::min(i1, item_start[s + 1]) - item_start[s];
+      const int64_t e = small[s], r0 = counts[e], m = counts[e + 1] - r0;
+      const W* w = panels + e * expert_elements;
+      // kPanelSpan panels at a time (independent sums in flight), every row chunk of 4 on them while they are in
+      // cache: each weight is read from memory once
+      for (int64_t q = q0; q < q1; q += kPanelSpan)
+        for (int64_t r = 0; r < m; r += 4)
+          gemv_rows(std::min<int64_t>(4, m - r), x + (r0 + r) * k, k, w, n, out + (r0 + r) * n, q,
+                    std::min(q1, q + kPanelSpan));
+      i0 += q1 - q0;
+    }
+  });
+}
+#endif
 
 // Every expert's product of one phase (gate/up or down): out rows [counts[e], counts[e+1]) = x rows @ W_e.T. Experts
 // with few rows on the panels run together in one job of the spin pool over (expert, panel) items, so a decode step
@@ -97,28 +191,14 @@ void run_products(const float* x, int64_t k, const ExpertWeightsView& weights, c
   }
 #ifdef ENGINE_AVX2
   if (small.empty()) return;
-  const float* panels = weights.panels->data_ptr<float>();
-  const int64_t expert_floats = weights.panels->size(1) * k * engine_cpu::kCols;
-  engine_pool::parallel_range(item_start.back(), 8, [&](int64_t i0, int64_t i1) {
-    while (i0 < i1) {  // a run of one expert's panels [q0, q1)
-      const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), i0) - item_start.begin() - 1;
-      const int64_t q0 = i0 - item_start[s], q1 = std::min(i1, item_start[s + 1]) - item_start[s];
-      const int64_t e = small[s], r0 = counts[e], m = counts[e + 1] - r0;
-      const float* w = panels + e * expert_floats;
-      // panel by panel, every row chunk of 4 on it while it is in cache: each weight is read from memory once
-      for (int64_t q = q0; q < q1; ++q)
-        for (int64_t r = 0; r < m; r += 4) {
-          const float* xr = x + (r0 + r) * k;
-          float* c = out + (r0 + r) * n;
-          switch (std::min<int64_t>(4, m - r)) {
-            case 1: engine_cpu::gemv_panels<1>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
-            case 2: engine_cpu::gemv_panels<2>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
-            case 3: engine_cpu::gemv_panels<3>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
-            default: engine_cpu::gemv_panels<4>(xr, k, w, k, n, nullptr, c, n, q, q + 1); break;
-          }
-        }
-      i0 += q1 - q0;
-    }
+  if (weights.panels->scalar_type() == at::kFloat) {
+    run_small_products(x, k, weights.panels->data_ptr<float>(), weights.panels->size(1), counts, small, item_start, n,
+                       out);
+    return;
+  }
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(weights.panels->scalar_type(), "run_small_products", [&] {
+    run_small_products(x, k, weights.panels->data_ptr<scalar_t>(), weights.panels->size(1), counts, small,
+                       item_start, n, out);
   });
 #endif
 }
@@ -127,6 +207,18 @@ void run_products(const float* x, int64_t k, const ExpertWeightsView& weights, c
 // gate/up weights (phase 0, n = 2I) or the down weights (phase 1, n = H).
 using ExpertProducts = std::function<void(int phase, const float* x, int64_t k, const std::vector<int64_t>& counts,
                                           int64_t n, float* out)>;
+
+// The per-row buffers of grouped_experts, one per stage.
+enum ScratchSlot { kGathered = 0, kGateUp, kActivated, kDown, kScratchSlots };
+
+// A float buffer of the calling thread that keeps its pages from call to call: a prompt chunk's expert rows are
+// tens of MB, which fresh allocations would have the kernel map and zero on every layer and step.
+float* scratch(ScratchSlot slot, int64_t floats) {
+  thread_local std::vector<float> buffers[kScratchSlots];
+  std::vector<float>& buffer = buffers[slot];
+  if (buffer.size() < static_cast<size_t>(floats)) buffer.resize(floats);
+  return buffer.data();
+}
 
 // The routing, grouping and combine around an experts' products. x [T, H] (any float dtype); topk_weights [T, K]
 // float32, topk_ids [T, K] int64 global expert ids, expert_map [E_global] -> local index or -1 (experts other ranks
@@ -166,23 +258,24 @@ torch::Tensor grouped_experts(torch::Tensor x, int64_t experts, int64_t intermed
     if (local[c] >= 0) choice_of_row[next[local[c]]++] = c;
 
   // each row: its token's hidden state; gate/up products expert by expert
-  torch::Tensor gathered = at::empty({rows, hidden}, xf.options());
   const float* xs = xf.data_ptr<float>();
-  float* g = gathered.data_ptr<float>();
+  float* g = scratch(kGathered, rows * hidden);
   engine_pool::parallel_range(rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) std::copy(xs + (choice_of_row[r] / top_k) * hidden,
                                                 xs + (choice_of_row[r] / top_k + 1) * hidden, g + r * hidden);
   });
-  torch::Tensor gate_up_rows = at::empty({rows, 2 * intermediate}, xf.options());
-  products(0, g, hidden, counts, 2 * intermediate, gate_up_rows.data_ptr<float>());
-  torch::Tensor act =
-      (at::silu(gate_up_rows.narrow(1, 0, intermediate)) * gate_up_rows.narrow(1, intermediate, intermediate)).contiguous();
-  torch::Tensor down_rows = at::empty({rows, hidden}, xf.options());
-  products(1, act.data_ptr<float>(), intermediate, counts, hidden, down_rows.data_ptr<float>());
+  float* gate_up = scratch(kGateUp, rows * 2 * intermediate);
+  products(0, g, hidden, counts, 2 * intermediate, gate_up);
+  torch::Tensor gate_up_rows = torch::from_blob(gate_up, {rows, 2 * intermediate}, xf.options());
+  torch::Tensor act = torch::from_blob(scratch(kActivated, rows * intermediate), {rows, intermediate}, xf.options());
+  at::silu_out(act, gate_up_rows.narrow(1, 0, intermediate));
+  act.mul_(gate_up_rows.narrow(1, intermediate, intermediate));
+  float* down = scratch(kDown, rows * hidden);
+  products(1, act.data_ptr<float>(), intermediate, counts, hidden, down);
 
   // combine: rows in expert order, so each token's outputs are added in the order of its experts' ids; threads
   // split the hidden columns (every token's sum keeps that order)
-  const float* d = down_rows.data_ptr<float>();
+  const float* d = down;
   const float* w = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
   engine_pool::parallel_range(hidden, 256, [&](int64_t c0, int64_t c1) {
@@ -197,7 +290,7 @@ torch::Tensor grouped_experts(torch::Tensor x, int64_t experts, int64_t intermed
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed float32 panels and/or one oneDNN-reordered
+// w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed panels (float32, bfloat16 or float16) and/or one oneDNN-reordered
 // weight per expert (w13_onednn, w2_onednn), the latter taking every expert product of at least onednn_min_rows rows.
 torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c10::optional<torch::Tensor> w2,
                             std::vector<torch::Tensor> w13_onednn, std::vector<torch::Tensor> w2_onednn,
@@ -209,9 +302,11 @@ torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c
   const int64_t hidden = x.size(-1);
   const int64_t experts = w13.has_value() ? w13->size(0) : static_cast<int64_t>(w13_onednn.size());
   if (w13.has_value()) {
+    const auto dtype = w13->scalar_type();
     TORCH_CHECK(w13->dim() == 4 && w2->dim() == 4 && w13->is_contiguous() && w2->is_contiguous() &&
-                    w13->scalar_type() == at::kFloat && w2->scalar_type() == at::kFloat,
-                "expert panels must be packed float32 [E, panels, K, 16]");
+                    w2->scalar_type() == dtype &&
+                    (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+                "expert panels must be packed [E, panels, K, 16], w13 and w2 both float32, bfloat16 or float16");
     TORCH_CHECK(w13->size(2) == hidden && w2->size(2) == intermediate && w2->size(1) * engine_cpu::kCols >= hidden &&
                     w13->size(1) * engine_cpu::kCols >= 2 * intermediate,
                 "expert weights do not fit hidden size ", hidden, " and intermediate size ", intermediate);

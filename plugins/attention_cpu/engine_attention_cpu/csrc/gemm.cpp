@@ -318,20 +318,25 @@ void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b0, const 
 #undef ENGINE_TILE_CASE
 }
 
-// linear_panels' work on a float32 packed weight w, a work item being a row block against a pair of panels.
-void linear(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
-            const float* bias_ptr, const float* w) {
+// linear_panels' work, a work item being a row block (every row: whole_rows) against a pair of panels, each pair
+// given by pair_of(q, pair): panel q, then panel q + 1 when `pair`, as [K][16] float32 panels one after the other,
+// valid while the calling thread computes them (a packed weight's own, or 16-bit panels widened into that thread's
+// buffer).
+template <class PairOf>
+void linear_pairs(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
+                  const float* bias_ptr, const PairOf& pair_of, bool whole_rows) {
   const int64_t kc_max = chunk_size(k);
-  run_work_items(xs, ldx, m, n, k, (panels + 1) / 2, kRows, false,
+  run_work_items(xs, ldx, m, n, k, (panels + 1) / 2, kRows, whole_rows,
                  [&](const float* ax, int64_t chunk_stride, int64_t i0, int64_t i1, int64_t pair_index) {
                    const int64_t q = 2 * pair_index;
                    const bool pair = q + 1 < panels;
                    const int64_t cols = std::min((pair ? 2 : 1) * kCols, n - q * kCols);
                    const float* panel_bias = bias_ptr ? bias_ptr + q * kCols : nullptr;
+                   const float* w = pair_of(q, pair);
                    for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
                      const int64_t kc = std::min(kc_max, k - k0);
                      const float* chunk = ax + k0 * chunk_stride;
-                     const float* b0 = w + (q * k + k0) * kCols;
+                     const float* b0 = w + k0 * kCols;
                      const float* b1 = pair ? b0 + k * kCols : b0;
                      for (int64_t i = i0; i < i1; i += kRows) {
                        const float* a = chunk + (i / kRows) * kRows * kc;
@@ -343,10 +348,27 @@ void linear(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_
                  });
 }
 
+// linear_pairs on a float32 packed weight w.
+void linear(float* c, int64_t n, const float* xs, int64_t ldx, int64_t m, int64_t k, int64_t panels,
+            const float* bias_ptr, const float* w) {
+  linear_pairs(c, n, xs, ldx, m, k, panels, bias_ptr, [w, k](int64_t q, bool) { return w + q * k * kCols; }, false);
+}
+
+// Sixteen consecutive panel elements as float32 lanes (16-bit ones widened exactly).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // R <= 4 rows against G panels from q: each output one FMA chain over k per k chunk, the chunks added in order,
-// as the AVX2 gemv_panels adds them; G panels at once keep G independent chains per row in flight.
-template <int R, int G>
-void gemv_group(const float* x, int64_t ldx, const float* w, int64_t k, int64_t n, const float* bias, float* c,
+// as the AVX2 gemv_panels adds them; G panels at once keep G independent chains per row in flight. W: the panels'
+// element type (16-bit panels are widened as they are read: the same products as their float32 panels).
+template <int R, int G, typename W = float>
+void gemv_group(const float* x, int64_t ldx, const W* w, int64_t k, int64_t n, const float* bias, float* c,
                 int64_t ldc, int64_t q) {
   const int64_t kc_max = chunk_size(k);
   __m512 out[R][G];
@@ -354,7 +376,7 @@ void gemv_group(const float* x, int64_t ldx, const float* w, int64_t k, int64_t 
     for (int j = 0; j < G; ++j) out[r][j] = bias ? _mm512_loadu_ps(bias + (q + j) * kCols) : _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
     const int64_t kc = std::min(kc_max, k - k0);
-    const float* panel = w + (q * k + k0) * kCols;
+    const W* panel = w + (q * k + k0) * kCols;
     __m512 acc[R][G];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
@@ -363,7 +385,7 @@ void gemv_group(const float* x, int64_t ldx, const float* w, int64_t k, int64_t 
     for (int64_t i = 0; i < kc; ++i) {
       __m512 wv[G];
 #pragma GCC unroll 4
-      for (int j = 0; j < G; ++j) wv[j] = _mm512_loadu_ps(panel + j * k * kCols + i * kCols);
+      for (int j = 0; j < G; ++j) wv[j] = load16(panel + j * k * kCols + i * kCols);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * ldx + k0 + i]);
@@ -388,13 +410,13 @@ void gemv_group(const float* x, int64_t ldx, const float* w, int64_t k, int64_t 
     }
 }
 
-template <int R>
-void gemv_panels(const float* x, int64_t ldx, const float* w, int64_t k, int64_t n, const float* bias, float* c,
+template <int R, typename W = float>
+void gemv_panels(const float* x, int64_t ldx, const W* w, int64_t k, int64_t n, const float* bias, float* c,
                  int64_t ldc, int64_t p0, int64_t p1) {
   constexpr int G = R <= 2 ? 4 : 2;
   int64_t q = p0;
-  for (; q + G <= p1; q += G) gemv_group<R, G>(x, ldx, w, k, n, bias, c, ldc, q);
-  for (; q < p1; ++q) gemv_group<R, 1>(x, ldx, w, k, n, bias, c, ldc, q);
+  for (; q + G <= p1; q += G) gemv_group<R, G, W>(x, ldx, w, k, n, bias, c, ldc, q);
+  for (; q < p1; ++q) gemv_group<R, 1, W>(x, ldx, w, k, n, bias, c, ldc, q);
 }
 
 }  // namespace avx512
@@ -475,9 +497,10 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optio
 
 #ifdef ENGINE_AVX2
 // R <= 4 rows against panels [p0, p1): each output one FMA chain over k in order per k chunk, the chunks added
-// as the register tile adds them, so a row's result is the same bits as in a batched product.
-template <int R>
-void gemv_panels(const float* x, int64_t ldx, const float* w, int64_t k, int64_t n, const float* bias, float* c,
+// as the register tile adds them, so a row's result is the same bits as in a batched product. W: the panels'
+// element type (float32, or 16-bit panels widened as they are read: the same products as their float32 panels).
+template <int R, typename W = float>
+void gemv_panels(const float* x, int64_t ldx, const W* w, int64_t k, int64_t n, const float* bias, float* c,
                  int64_t ldc, int64_t p0, int64_t p1) {
   const int64_t kc_max = chunk_size(k);
   for (int64_t q = p0; q < p1; ++q) {
@@ -489,11 +512,11 @@ void gemv_panels(const float* x, int64_t ldx, const float* w, int64_t k, int64_t
     }
     for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
       const int64_t kc = std::min(kc_max, k - k0);
-      const float* panel = w + (q * k + k0) * kCols;
+      const W* panel = w + (q * k + k0) * kCols;
       __m256 a0[R], a1[R];
       for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
       for (int64_t i = 0; i < kc; ++i) {
-        const __m256 b0 = _mm256_loadu_ps(panel + i * kCols), b1 = _mm256_loadu_ps(panel + i * kCols + 8);
+        const __m256 b0 = load8(panel + i * kCols), b1 = load8(panel + i * kCols + 8);
         for (int r = 0; r < R; ++r) {
           const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k0 + i);
           a0[r] = _mm256_fmadd_ps(xv, b0, a0[r]);
