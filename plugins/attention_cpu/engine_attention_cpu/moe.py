@@ -161,6 +161,11 @@ def measure_dequant_min_rows(
     return _smallest_winning_rows(shapes, "dequant-avx2", variant)
 
 
+def _moe_ops(emulated: bool = False):
+    """The fused-MoE extension: the native build, or the SIMDe one (tests of code this CPU lacks)."""
+    return importlib.import_module("engine_attention_cpu._moe_emulated" if emulated else "engine_attention_cpu._moe")
+
+
 class CpuFusedExperts:
     """``(x, topk_weights, topk_ids, expert_map) -> [T, hidden]`` on the experts packed for the kinds chosen, in
     float32 accumulation (a bfloat16 model's expert outputs are summed in float32), returned in x's dtype.
@@ -178,9 +183,7 @@ class CpuFusedExperts:
     ):
         from engine_attention_cpu import _gemm
 
-        self._moe = importlib.import_module(
-            "engine_attention_cpu._moe_emulated" if emulated else "engine_attention_cpu._moe"
-        )
+        self._moe = _moe_ops(emulated)
         self.num_experts, self.hidden_size, self.intermediate_size = w2.shape
         self.onednn_min_rows = onednn_min_rows
         self.panel_dtype = panel_dtype
@@ -238,9 +241,7 @@ class CpuQuantizedExperts:
         reason = unsupported_variant_reason(variant, emulated)
         if reason:
             raise RuntimeError(reason)
-        self._moe = importlib.import_module(
-            "engine_attention_cpu._moe_emulated" if emulated else "engine_attention_cpu._moe"
-        )
+        self._moe = _moe_ops(emulated)
         self.w13, self.w2 = w13, w2
         self.format_id = FORMAT_IDS[w13.format]
         self.variant_id = list(variants(emulated)).index(variant)

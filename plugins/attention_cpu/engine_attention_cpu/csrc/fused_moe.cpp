@@ -290,8 +290,9 @@ torch::Tensor grouped_experts(torch::Tensor x, int64_t experts, int64_t intermed
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed panels (float32, bfloat16 or float16) and/or one oneDNN-reordered
-// weight per expert (w13_onednn, w2_onednn), the latter taking every expert product of at least onednn_min_rows rows.
+// w13 [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16] packed panels (float32, bfloat16 or float16) and/or
+// one oneDNN-reordered weight per expert (w13_onednn, w2_onednn), the latter taking every expert product of at least
+// onednn_min_rows rows.
 torch::Tensor fused_experts(torch::Tensor x, c10::optional<torch::Tensor> w13, c10::optional<torch::Tensor> w2,
                             std::vector<torch::Tensor> w13_onednn, std::vector<torch::Tensor> w2_onednn,
                             int64_t onednn_min_rows, torch::Tensor topk_weights, torch::Tensor topk_ids,
