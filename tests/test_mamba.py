@@ -1,10 +1,9 @@
 """Mamba hybrids against transformers on tiny random models: greedy parity with chunked prefill, preemption and
-async scheduling; the Mamba state's place in the KV cache (one block per request, pages shared with attention);
-prefix caching turned off with a start-up line; the kernels' torch reference against the plain recurrence."""
+async scheduling; the Mamba state's place in the KV cache (one block per request, two while a step moves it into a
+new block, pages shared with attention); prefix caching of the states at block boundaries; the kernels' torch
+reference against the plain recurrence."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.single_type_manager import MambaManager
 from engine.kv_cache.spec import FullAttentionSpec, MambaSpec
 from engine.model.layers import mamba_reference
 from engine.testing import inspect
@@ -84,9 +85,17 @@ def family_model(make_tiny_model, name: str):
     return _REFERENCES[name]
 
 
+def engine_greedy_again(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy token ids of ``prompts`` on an engine already running (all KV blocks back after)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_all_blocks_free(llm)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 # a Mamba state (3200 bytes) is more than an 8-token attention page (2048): the block size is raised to 16
 CHUNKED = {"max_num_batched_tokens": 12, "block_size": 8}  # prompts in chunks: the state carries across them
-PREEMPT = {"num_gpu_blocks_override": 10, "block_size": 8, "max_model_len": 96}  # restarts from a reset state
+PREEMPT = {"num_gpu_blocks_override": 13, "block_size": 8, "max_model_len": 96}  # restarts from a reset state
 ASYNC = {"async_scheduling": True, "max_num_batched_tokens": 24}
 REFERENCE = {"attention": "torch", "layer_kernels": "native"}
 
@@ -129,10 +138,11 @@ def test_hybrid_family_greedy_matches_transformers(make_tiny_model, name, config
     llm.shutdown()
 
 
-def test_a_mamba_layer_holds_one_block_per_request_whatever_its_length(make_tiny_model):
+def test_a_mamba_layer_holds_at_most_two_blocks_per_request_whatever_its_length(make_tiny_model):
     """Three Mamba layers and one attention layer: four KV-cache groups of one layer over one shared tensor. The
     attention block size is raised so that a page holds a Mamba state; while requests run, each Mamba group holds
-    one block per request and the attention group one per block_size tokens; every block returns at the end."""
+    one block per request, two in a step that moves the state into a new block (the one it reads and the one it
+    writes), and the attention group one per block_size tokens; every block returns at the end."""
     model_dir, _, reference = family_model(make_tiny_model, "bamba")
     llm = LLM(model_dir, dtype="float32", block_size=8)
     config = inspect(llm).engine_core.kv_cache_config
@@ -147,11 +157,20 @@ def test_a_mamba_layer_holds_one_block_per_request_whatever_its_length(make_tiny
     assert mamba.page_size_bytes == 4096 and len(config.shared_tensors()) == 1
 
     runner = inspect(llm).model_runner
-    step_usage = []
+    managers = inspect(llm).kv_cache_manager.coordinator.managers
+    null_block = inspect(llm).kv_cache_manager.block_pool.null_block
+    held = []  # per step: (Mamba blocks each request holds, whether its step crosses into a new block)
     original = runner.execute_model
 
     def spy(scheduler_output):
-        step_usage.append(inspect(llm).kv_cache_manager.group_block_usage())
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            end = inspect(llm).scheduler.requests[request_id].num_computed_tokens  # the step's tokens count already
+            start = end - num_scheduled
+            crosses = start > 0 and (start - 1) // 16 != (end - 1) // 16
+            for manager in managers:
+                if isinstance(manager.spec, MambaSpec):
+                    blocks = manager.req_to_blocks[request_id]
+                    held.append((sum(block is not null_block for block in blocks), crosses))
         return original(scheduler_output)
 
     runner.execute_model = spy
@@ -159,27 +178,95 @@ def test_a_mamba_layer_holds_one_block_per_request_whatever_its_length(make_tiny
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    peaks = [max(usage[g][0] for usage in step_usage) for g in range(len(config.groups))]
-    for group, peak in zip(config.groups, peaks):
-        if isinstance(group.spec, MambaSpec):
-            assert peak == len(PROMPTS)
-        else:
-            longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
-            assert len(PROMPTS) <= peak <= len(PROMPTS) * -(-longest // group.spec.block_size)
+    assert {count for count, crosses in held if not crosses} == {1}
+    assert {count for count, crosses in held if crosses} == {2}
     assert_all_blocks_free(llm)
     llm.shutdown()
 
 
-def test_prefix_caching_is_turned_off_with_a_start_up_line(make_tiny_model, caplog):
+def test_a_mamba_state_is_cached_only_where_a_step_ended_at_the_block_end():
+    """The Mamba group's bookkeeping on its own (blocks of 4 tokens): a step that ends at a block's end leaves that
+    block's state, cached from the request's next step on; a block whose step ended inside it, then moved on, holds
+    the state of an earlier position and is never cached; a hit needs only its last block cached."""
+    spec = MambaSpec(4, ((2, 3),), torch.float32)
+    pool = BlockPool(12, reserve_null_block=True)
+    manager = MambaManager(spec, pool, enable_caching=True)
+    null = pool.null_block
+    hashes = [bytes([i]) * 8 for i in range(4)]
+
+    def step(request_id: str, computed: int, end: int) -> list:
+        manager.remove_skipped_blocks(request_id, computed)
+        assert manager.get_num_blocks_to_allocate(request_id, end, []) <= 1
+        new = manager.allocate_new_blocks(request_id, end)
+        manager.cache_blocks(request_id, hashes, end)
+        return new
+
+    # "a": 0 -> 6 (mid block 1) -> 8 (the end of block 1: the state in block 1 is the block's) -> 9 -> 10
+    assert step("a", 0, 6)[:1] == [null] and len(step("a", 6, 8)) == 0
+    assert manager.find_longest_cache_hit(hashes, 15) == []  # not while the step that writes it is planned
+    assert len(step("a", 8, 9)) == 1  # the state moves into block 2; block 1 is cached now
+    hit = manager.find_longest_cache_hit(hashes, 15)
+    assert hit[:1] == [null] and hit[1] is manager.req_to_blocks["a"][1] and len(hit) == 2
+    step("a", 9, 10)  # block 1 goes back to the pool, still cached
+    assert [b is not null for b in manager.req_to_blocks["a"]] == [False, False, True]
+    assert manager.find_longest_cache_hit(hashes, 15)[1].ref_cnt == 0
+    manager.free("a")
+
+    # "b" with other tokens: 0 -> 6 -> 13 moves on from block 1 (its state is position 6's): nothing is cached
+    pool.reset_prefix_cache()
+    step("b", 0, 6)
+    step("b", 6, 13)
+    step("b", 13, 14)
+    assert manager.find_longest_cache_hit(hashes, 15) == []
+    assert manager.num_held_blocks == 1
+    manager.free("b")
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("config", [{}, CHUNKED], ids=["one-step", "chunked"])
+def test_repeated_prompts_resume_from_the_cached_mamba_states(make_tiny_model, config):
+    """Prefix caching on a hybrid: each prompt's chunks end at block boundaries, so the state after its last whole
+    block is cached; run again, every prompt resumes there and the tokens stay transformers'. Copies sent with the
+    originals are admitted in the step that writes those states (one-step) and must not read them before they are
+    written, or behind the originals (chunked) and hit them."""
     model_dir, _, reference = family_model(make_tiny_model, "bamba")
-    with caplog.at_level(logging.WARNING, logger="engine"):
-        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=True)
-    assert any("prefix caching is off for BambaForCausalLM" in r.getMessage() for r in caplog.records)
+    llm = LLM(model_dir, dtype="float32", **config)
+    block_size = inspect(llm).kv_cache_manager.block_size
+    assert engine_greedy_again(llm, PROMPTS + PROMPTS, MAX_TOKENS) == reference + reference
+    first_hits = llm.get_stats().prefix_cache_hits
+    assert engine_greedy_again(llm, PROMPTS, MAX_TOKENS) == reference
+    # the second run hits every prompt's last whole block before its final token
+    expected = sum((len(p) - 1) // block_size * block_size for p in PROMPTS)
+    assert llm.get_stats().prefix_cache_hits - first_hits == expected
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("name,config", [("bamba", {}), ("jamba", ASYNC), ("granite-4.0-h", PREEMPT)])
+def test_a_follow_up_turn_resumes_from_a_state_cached_while_decoding(make_tiny_model, name, config):
+    """A second turn (prompt, the answer, then more tokens) resumes from the state the first turn's decode left at
+    a block boundary past its prompt, and its tokens are transformers' for the whole conversation."""
+    model_dir, hf_model, _ = family_model(make_tiny_model, name)
+    llm = LLM(model_dir, dtype="float32", **config)
+    block_size = inspect(llm).kv_cache_manager.block_size
+    prompt = random_prompts(1, (block_size + 4, block_size + 4), seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=block_size + 8)  # decode passes the boundary at 2 blocks
+    answer = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    follow_up = prompt + list(answer) + random_prompts(1, (5, 5), seed=6)[0]
+    hits_before = llm.get_stats().prefix_cache_hits
+    params = SamplingParams(temperature=0, max_tokens=8)
+    tokens = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)
+    assert tokens[0].outputs[0].token_ids == hf_greedy(hf_model, [follow_up], 8)[0]
+    assert llm.get_stats().prefix_cache_hits - hits_before == 2 * block_size
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_prefix_caching_off_recomputes_every_prompt(make_tiny_model):
+    model_dir, _, reference = family_model(make_tiny_model, "bamba")
+    llm = LLM(model_dir, dtype="float32", enable_prefix_caching=False)
     assert inspect(llm).plugins["kv_cache_coordinator"].name == "no_prefix"
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     for _ in range(2):  # the same prompts twice: recomputed, same tokens
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == reference
+        assert engine_greedy_again(llm, PROMPTS, MAX_TOKENS) == reference
     assert llm.get_stats().prefix_cache_hits == 0
     llm.shutdown()
 
@@ -212,10 +299,14 @@ def test_speculative_decoding_is_refused_by_name(make_tiny_model):
 def test_tensor_parallel_hybrids_match_transformers(make_tiny_model, name):
     """TP=2 splits the Mamba heads (Bamba: two groups, one per rank; Granite: one group, whole on both ranks, its
     gated norm summed over them; Jamba: the channels, x_proj's product summed), the attention heads and the experts'
-    intermediate dimension; each rank keeps its share of every state."""
+    intermediate dimension; each rank keeps its share of every state, and a second run resumes from the cached
+    shares."""
     model_dir, _, reference = family_model(make_tiny_model, name)
     tokens, llm = engine_greedy(model_dir, PROMPTS, MAX_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=16)
     assert tokens == reference, name
+    hits = llm.get_stats().prefix_cache_hits
+    assert engine_greedy_again(llm, PROMPTS, MAX_TOKENS) == reference, name
+    assert llm.get_stats().prefix_cache_hits > hits
     llm.shutdown()
 
 

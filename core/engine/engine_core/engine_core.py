@@ -103,17 +103,10 @@ def check_pipeline_parallel(vllm_config: VllmConfig, model_info: ModelInfo) -> N
 
 
 def check_hybrid_model(vllm_config: VllmConfig, model_info: ModelInfo) -> None:
-    """A model with Mamba layers: prefix caching is turned off (said once, at start-up), and speculative decoding is
-    refused with a ConfigError."""
+    """A model with Mamba layers: speculative decoding is refused with a ConfigError (prefix caching works: the
+    Mamba states at block boundaries are cached, see ``MambaManager``)."""
     if not model_info.is_hybrid:
         return
-    if vllm_config.cache.enable_prefix_caching:
-        logger.warning(
-            "prefix caching is off for %s: its Mamba layers keep one running state per request, not one per "
-            "block, so a cached prefix could not resume without recomputing it (cache.enable_prefix_caching=false)",
-            model_info.architecture,
-        )
-        vllm_config.cache.enable_prefix_caching = False
     method = vllm_config.speculative.method
     if method != "none":
         raise ConfigError(

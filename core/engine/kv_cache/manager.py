@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 from engine.kv_cache.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
-from engine.kv_cache.spec import KVCacheConfig
+from engine.kv_cache.spec import KVCacheConfig, MambaSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,10 +30,18 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, reserve_null_block=kv_cache_config.has_sliding_window)
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, reserve_null_block=kv_cache_config.needs_null_block)
         self.coordinator = coordinator_cls(kv_cache_config, self.block_pool, enable_caching, max_model_len)
         self.enable_caching = self.coordinator.enable_caching
         self.prefix_cache_stats = PrefixCacheStats()
+        # Mamba states are cached only where a step ends at a block boundary: prefill chunks are cut there
+        self.aligns_chunks = self.enable_caching and any(isinstance(g.spec, MambaSpec) for g in kv_cache_config.groups)
+        if self.aligns_chunks:
+            logger.info(
+                "prefix caching with Mamba layers: a request's Mamba states are cached where a step ends at a "
+                "%d-token block boundary (prefill chunks are cut there; decode passes every one)",
+                self.block_size,
+            )
 
     @property
     def usage(self) -> float:
@@ -57,6 +68,21 @@ class KVCacheManager:
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_hit_tokens
         return KVCacheBlocks(blocks), num_hit_tokens
+
+    def align_num_new_tokens(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """How many of ``num_new_tokens`` to schedule so that a hybrid model's prefill leaves cacheable Mamba states
+        (with prefix caching; otherwise all of them). A chunk that stops short of the request's known tokens is cut
+        back to a block boundary, and the chunk that reaches them stops at their last boundary before the final
+        token (the rest runs in the next step), so that the prompt's last whole block can be hit by a request that
+        repeats it. A cut that would leave nothing is not made."""
+        if not self.aligns_chunks or num_new_tokens <= 1:
+            return num_new_tokens
+        end = num_computed_tokens + num_new_tokens
+        if end < request.num_tokens:
+            boundary = end // self.block_size * self.block_size
+        else:
+            boundary = (request.num_tokens - 1) // self.block_size * self.block_size
+        return boundary - num_computed_tokens if boundary > num_computed_tokens else num_new_tokens
 
     def allocate_slots(
         self,

@@ -145,32 +145,96 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 
 class MambaManager(SingleTypeKVCacheManager):
-    """A Mamba group: one block per request holds each layer's running state, from the first step to the end.
+    """A Mamba group: each layer's running state lives in the block of the request's last computed token.
 
-    The state after a prefix is not kept per block, so a Mamba group has no prefix hits and caches nothing (the
-    engine turns prefix caching off for such models and says so at start-up).
+    The request's block list is positional, as attention's is, but only the block that holds the running state is
+    real (the pool's null block stands at every other position): a step reads the state from the block of its first
+    token's predecessor and writes it to the block of its last token, and the blocks behind go back to the pool on
+    the next step. A step that ends exactly at a block boundary leaves in that block the state after the block's
+    last token; no later step writes it, so with prefix caching the block is cached under the block's hash (from
+    the request's next step on: a request that hit it in the step that writes it would read it before the write),
+    and a request with that prefix resumes from it (``find_longest_cache_hit``: only the last block of a hit must
+    be cached). A block whose step ended inside it holds a state of some earlier position and is never cached. The
+    scheduler makes prefill chunks end at block boundaries (``KVCacheManager.align_num_new_tokens``); decode passes
+    every boundary. A request holds at most two blocks: the one it reads and the one it writes.
     """
+
+    def __init__(self, spec: MambaSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0):
+        if block_pool.null_block is None:
+            raise ValueError("a Mamba group needs a BlockPool with reserve_null_block=True")
+        self.null_block: KVCacheBlock = block_pool.null_block
+        super().__init__(spec, block_pool, enable_caching, group_id)
+        # per request: the positions of blocks that an earlier step ended exactly at the end of (their state is the
+        # block's; cached once the block's hash is known), and the one the step being planned ends at
+        self.req_to_whole_states: defaultdict[str, set[int]] = defaultdict(set)
+        self.req_to_planned_whole_state: dict[str, int] = {}
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
     ) -> int:
-        return 0 if self.req_to_blocks.get(request_id) else 1
-
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
-        assert not new_computed_blocks, "a Mamba group has no prefix hits"
+        held = len(self.req_to_blocks[request_id]) or len(new_computed_blocks)
+        num_new = int(-(-num_tokens // self.block_size) > held)
+        evictable_hit = bool(new_computed_blocks) and new_computed_blocks[-1].ref_cnt == 0
+        return num_new + int(evictable_hit)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        if self.req_to_blocks[request_id]:
+        blocks = self.req_to_blocks[request_id]
+        position = -(-num_tokens // self.block_size) - 1  # the block of the step's last token
+        if self.enable_caching and num_tokens % self.block_size == 0:
+            self.req_to_planned_whole_state[request_id] = position
+        if position < len(blocks):
             return []
-        new_blocks = self.block_pool.get_new_blocks(1)
-        self.req_to_blocks[request_id].extend(new_blocks)
+        (block,) = self.block_pool.get_new_blocks(1)
+        new_blocks = [self.null_block] * (position - len(blocks)) + [block]
+        blocks.extend(new_blocks)
         self._held(1)
         return new_blocks
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """A running state is never a cached prefix."""
+        """Cache the held blocks that earlier steps left a whole block's state in, once their hashes are known."""
+        planned = self.req_to_planned_whole_state.pop(request_id, None)
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks[request_id]
+        whole = self.req_to_whole_states[request_id]
+        known = min(num_tokens // self.block_size, len(block_hashes))
+        for position in [p for p in whole if p < known]:
+            if self._is_real(blocks[position]):
+                self.block_pool.cache_full_blocks(blocks, block_hashes, position, position + 1, self.group_id)
+            whole.discard(position)
+        if planned is not None:
+            whole.add(planned)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free every block before the one holding the state after ``num_computed_tokens`` tokens (this step's
+        source)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks or num_computed_tokens == 0:
+            return
+        source = (num_computed_tokens - 1) // self.block_size
+        removed = []
+        for position in range(min(source, len(blocks)) - 1, -1, -1):
+            block = blocks[position]
+            if not self._is_real(block):
+                continue
+            removed.append(block)
+            blocks[position] = self.null_block
+            self.req_to_whole_states[request_id].discard(position)
+        if removed:
+            self._held(-len(removed))
+            self.block_pool.free_blocks(removed)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.req_to_whole_states.pop(request_id, None)
+        self.req_to_planned_whole_state.pop(request_id, None)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        """The longest prefix of whole blocks whose last block's state is cached (null blocks before it)."""
+        for length in range(min(max_length // self.block_size, len(block_hashes)), 0, -1):
+            block = self.block_pool.get_cached_block(block_hashes[length - 1], self.group_id)
+            if block is not None:
+                return [self.null_block] * (length - 1) + [block]
         return []
 
 

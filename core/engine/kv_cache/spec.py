@@ -64,7 +64,8 @@ class MLAAttentionSpec(FullAttentionSpec):
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     """A state-space (Mamba) layer: a constant-size state per request (the convolution's last inputs and the SSM
-    state), held in one block whatever the context length. ``shapes`` are the state tensors' shapes, all of
+    state), held in one block whatever the context length (two while a step moves it into the block of its last
+    token: see ``MambaManager``). ``shapes`` are the state tensors' shapes, all of
     ``dtype``; ``page_size_padded`` raises the page to the attention layers' so both kinds share cache tensors."""
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -81,7 +82,7 @@ class MambaSpec(KVCacheSpec):
         return max(self.state_size_bytes, self.page_size_padded)
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
-        return 1
+        return 2
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,18 @@ class KVCacheConfig:
         return self.groups[0].spec.block_size
 
     @property
-    def has_sliding_window(self) -> bool:
-        return any(isinstance(group.spec, SlidingWindowSpec) for group in self.groups)
+    def needs_null_block(self) -> bool:
+        return needs_null_block(self.groups)
 
     def shared_tensors(self) -> tuple[tuple[str, ...], ...]:
         """Layer names per cache tensor (one layer per tensor when no sharing was planned)."""
         return self.tensors or tuple((name,) for group in self.groups for name in group.layer_names)
+
+
+def needs_null_block(groups: tuple[KVCacheGroupSpec, ...]) -> bool:
+    """Whether some group's block lists have positions without a block (slid out of a window, or behind a Mamba
+    state): the pool's null block stands there."""
+    return any(isinstance(group.spec, (SlidingWindowSpec, MambaSpec)) for group in groups)
 
 
 def unify_page_sizes(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -205,9 +212,8 @@ def make_kv_cache_config(
             f"(one block costs {bytes_per_block} bytes over a worker's layers)"
         )
     block_size = groups[0].spec.block_size
-    has_window = any(isinstance(group.spec, SlidingWindowSpec) for group in groups)
     # every group needs its own blocks for a request (a sliding group, too, while it prefills a long chunk)
-    needed = sum(group.spec.max_blocks_per_request(max_model_len) for group in groups) + int(has_window)
+    needed = sum(group.spec.max_blocks_per_request(max_model_len) for group in groups) + int(needs_null_block(groups))
     if num_blocks < needed:
         raise ConfigError(
             f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one request of the "

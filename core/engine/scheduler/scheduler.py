@@ -204,6 +204,8 @@ class Scheduler:
             num_new = min(num_known + len(drafts), plan.token_budget, self.max_model_len - request.num_computed_tokens)
             if plan.forced is not None:
                 num_new = min(num_new, plan.forced[0][request.request_id])
+            else:
+                num_new = self.kv_cache_manager.align_num_new_tokens(request, request.num_computed_tokens, num_new)
             if num_new <= 0 or self._reached_max_tokens(request):
                 continue  # nothing to compute, or in-flight steps already produce its last token
             drafts = drafts[: max(0, num_new - num_known)]
@@ -275,6 +277,8 @@ class Scheduler:
             num_new = min(num_new, plan.token_budget)
             if plan.forced is not None:
                 num_new = min(num_new, plan.forced[0][request.request_id])
+            else:
+                num_new = self.kv_cache_manager.align_num_new_tokens(request, num_hit, num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
                 if not self._preempt_for(plan, request):
                     break

@@ -81,7 +81,7 @@ class MambaMixer(MambaLayer):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         metadata = self.metadata()
         state = self.bound_state()
-        conv_state, ssm_state = state.read(metadata.state_blocks, metadata.starts)
+        conv_state, ssm_state = state.read(metadata.source_blocks, metadata.starts)
         x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)
         kernels: Any = self.kernels
         x = kernels.causal_conv1d(
@@ -101,5 +101,5 @@ class MambaMixer(MambaLayer):
             ssm_state,
             metadata.query_start_loc,
         )
-        state.write(metadata.state_blocks, [conv_state, ssm_state])
+        state.write(metadata.dest_blocks, [conv_state, ssm_state])
         return self.out_proj(y.to(hidden_states.dtype))

@@ -131,7 +131,7 @@ class MambaMixer2(MambaLayer):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         metadata = self.metadata()
         state = self.bound_state()
-        conv_state, ssm_state = state.read(metadata.state_blocks, metadata.starts)
+        conv_state, ssm_state = state.read(metadata.source_blocks, metadata.starts)
         projected = self.in_proj(hidden_states)
         gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         kernels: Any = self.kernels
@@ -155,6 +155,6 @@ class MambaMixer2(MambaLayer):
             metadata.query_start_loc,
             self.chunk_size,
         )
-        state.write(metadata.state_blocks, [conv_state, ssm_state])
+        state.write(metadata.dest_blocks, [conv_state, ssm_state])
         y = self.norm(y.reshape(tokens, self.intermediate_size), gate)
         return self.out_proj(y.to(hidden_states.dtype))

@@ -1,6 +1,6 @@
-"""A Mamba layer's per-request state in the paged cache: the step's metadata (which block holds each request's
-state, and whether the request starts), the view of a cache tensor as state pages, and the base class the model
-runner binds them to."""
+"""A Mamba layer's per-request state in the paged cache: the step's metadata (which block each request's state is
+read from and written to, and whether the request starts), the view of a cache tensor as state pages, and the base
+class the model runner binds them to."""
 
 from __future__ import annotations
 
@@ -18,23 +18,32 @@ from engine.interfaces.attention import AttentionMetadataBuilder, CommonAttentio
 
 @dataclass
 class MambaMetadata:
-    """One step of a Mamba group: request ``i`` runs tokens ``query_start_loc[i]:query_start_loc[i + 1]`` with its
-    state in block ``state_blocks[i]``; ``starts[i]`` says the request starts from position 0 (its state, left by
-    whichever request held the block before, is reset)."""
+    """One step of a Mamba group: request ``i`` runs tokens ``query_start_loc[i]:query_start_loc[i + 1]`` from the
+    state in block ``source_blocks[i]`` and leaves its state in block ``dest_blocks[i]`` (the same block, or the one
+    of its last token when the step enters a new block: see ``MambaManager``); ``starts[i]`` says the request starts
+    from position 0 (its state is reset, whatever the block held)."""
 
     query_start_loc: np.ndarray  # [R + 1]
-    state_blocks: torch.Tensor  # [R] int64
+    source_blocks: torch.Tensor  # [R] int64
+    dest_blocks: torch.Tensor  # [R] int64
     starts: torch.Tensor  # [R] bool
 
 
 class MambaMetadataBuilder(AttentionMetadataBuilder):
-    """Builds :class:`MambaMetadata` from the common metadata (a Mamba group's block table has one column)."""
+    """Builds :class:`MambaMetadata` from the common metadata: a Mamba group's block table is positional, and the
+    state after ``n`` tokens is in the block of token ``n - 1``."""
 
     def build(self, common: CommonAttentionMetadata) -> MambaMetadata:
+        computed = common.num_computed_tokens_np
+        rows = torch.arange(common.num_reqs)
+        source_columns = torch.from_numpy(np.maximum(computed - 1, 0) // self.block_size)
+        dest_columns = torch.from_numpy((common.seq_lens_np - 1) // self.block_size)
+        table = common.block_table
         return MambaMetadata(
             common.query_start_loc_np,
-            common.block_table[:, 0].to(torch.int64),
-            torch.from_numpy(common.num_computed_tokens_np == 0),
+            table[rows, source_columns].to(torch.int64),
+            table[rows, dest_columns].to(torch.int64),
+            torch.from_numpy(computed == 0),
         )
 
 
