@@ -95,11 +95,13 @@ class UnitaryKVCacheCoordinator(GroupedKVCacheCoordinator):
 
 
 class HybridKVCacheCoordinator(GroupedKVCacheCoordinator):
-    """Several KV-cache groups (e.g. sliding-window and full-attention layers) over one BlockPool.
+    """Several KV-cache groups (e.g. sliding-window and full-attention layers, or Mamba and attention layers) over one
+    BlockPool.
 
     A prefix hit is the longest length every group can serve: full attention needs every block of the
-    prefix, a sliding-window group only the blocks under the window of the first recomputed token.
-    Sliding-window groups free the blocks that slid out of the window as the request advances.
+    prefix, a sliding-window group only the blocks under the window of the first recomputed token, a Mamba group
+    only the prefix's last block (the state after it). Sliding-window groups free the blocks that slid out of the
+    window as the request advances; Mamba groups free the block behind the running state.
     """
 
     name = "hybrid"
