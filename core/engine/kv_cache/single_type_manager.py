@@ -10,6 +10,13 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.spec import KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 
+def required_null_block(block_pool: BlockPool, group_kind: str) -> KVCacheBlock:
+    """The pool's null block, which stands in a group's block lists where a position holds no block."""
+    if block_pool.null_block is None:
+        raise ValueError(f"{group_kind} needs a BlockPool with reserve_null_block=True")
+    return block_pool.null_block
+
+
 class SingleTypeKVCacheManager:
     """Blocks of one group for every request (full attention: every block stays until the end).
 
@@ -98,9 +105,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     """
 
     def __init__(self, spec: SlidingWindowSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0):
-        if block_pool.null_block is None:
-            raise ValueError("a sliding-window group needs a BlockPool with reserve_null_block=True")
-        self.null_block: KVCacheBlock = block_pool.null_block
+        self.null_block = required_null_block(block_pool, "a sliding-window group")
         super().__init__(spec, block_pool, enable_caching, group_id)
         self.sliding_window = spec.sliding_window
         # whole blocks a cache hit must end with: the window of the first recomputed token
@@ -160,9 +165,7 @@ class MambaManager(SingleTypeKVCacheManager):
     """
 
     def __init__(self, spec: MambaSpec, block_pool: BlockPool, enable_caching: bool, group_id: int = 0):
-        if block_pool.null_block is None:
-            raise ValueError("a Mamba group needs a BlockPool with reserve_null_block=True")
-        self.null_block: KVCacheBlock = block_pool.null_block
+        self.null_block = required_null_block(block_pool, "a Mamba group")
         super().__init__(spec, block_pool, enable_caching, group_id)
         # per request: the positions of blocks that an earlier step ended exactly at the end of (their state is the
         # block's; cached once the block's hash is known), and the one the step being planned ends at
