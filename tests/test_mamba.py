@@ -160,9 +160,11 @@ def test_a_mamba_layer_holds_at_most_two_blocks_per_request_whatever_its_length(
     managers = inspect(llm).kv_cache_manager.coordinator.managers
     null_block = inspect(llm).kv_cache_manager.block_pool.null_block
     held = []  # per step: (Mamba blocks each request holds, whether its step crosses into a new block)
+    step_usage = []  # per step: (blocks held, peak) of every group
     original = runner.execute_model
 
     def spy(scheduler_output):
+        step_usage.append(inspect(llm).kv_cache_manager.group_block_usage())
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             end = inspect(llm).scheduler.requests[request_id].num_computed_tokens  # the step's tokens count already
             start = end - num_scheduled
@@ -180,6 +182,11 @@ def test_a_mamba_layer_holds_at_most_two_blocks_per_request_whatever_its_length(
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert {count for count, crosses in held if not crosses} == {1}
     assert {count for count, crosses in held if crosses} == {2}
+    longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
+    for group_id, group in enumerate(config.groups):
+        if not isinstance(group.spec, MambaSpec):
+            peak = max(usage[group_id][0] for usage in step_usage)
+            assert len(PROMPTS) <= peak <= len(PROMPTS) * -(-longest // group.spec.block_size)
     assert_all_blocks_free(llm)
     llm.shutdown()
 
