@@ -376,6 +376,11 @@ class DeviceConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when present, else cpu")
     num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (defaults to torch's choice)")
     layer_kernels: str = plugin_choice("layer_kernels")
+    keep_freed_memory: bool = Field(
+        True,
+        description="a CPU worker keeps the memory a step frees mapped for the next step (glibc's mmap and trim "
+        "thresholds fixed at 256 and 512 MiB) instead of faulting large tensors in anew every step",
+    )
     kernel_cache: bool = Field(
         True,
         description="read the linear products chosen by measurement from the disk cache "

@@ -17,6 +17,7 @@ from engine.model.model_info import resolve_model
 from engine.plugins import get_plugin_manager
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.thread_policy import warn_if_not_in_effect
+from engine.worker.heap_policy import apply_heap_policy
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class Worker:
             torch.set_num_threads(threads)
         if device_name == "cpu":
             warn_if_not_in_effect()
+            if self.vllm_config.device.keep_freed_memory:
+                apply_heap_policy()
         torch.manual_seed(self.vllm_config.model.seed)
         init_model_parallel(
             self.rank,
