@@ -2,10 +2,12 @@
 9 query / 3 KV heads of 64 (SmolLM2), block size 16, scattered blocks, one cold cache per layer.
 
     python scripts/bench_cpu_decode_kernel.py      # prints JSON: ms per step and the KV read rate
+    python scripts/bench_cpu_decode_kernel.py --variant avx2 --dtype bfloat16   # one ISA variant, a 16-bit cache
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -25,6 +27,8 @@ def main(
     block_size: int = 16,
     layers: int = 30,
     repeats: int = 5,
+    variant: str = "widest",
+    dtype: str = "float32",
 ) -> dict:
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(64, 700, (rows,), dtype=torch.int32, generator=gen)
@@ -37,14 +41,28 @@ def main(
         n = int(blocks_per_row[r])
         table[r, :n] = order[start : start + n]
         start += n
-    caches = [torch.randn(2, num_blocks, kv_heads, block_size, head_size, generator=gen) for _ in range(layers)]
-    query = torch.randn(rows, heads, head_size, generator=gen)
+    kind = getattr(torch, dtype)
+    caches = [
+        torch.randn(2, num_blocks, kv_heads, block_size, head_size, generator=gen).to(kind) for _ in range(layers)
+    ]
+    query = torch.randn(rows, heads, head_size, generator=gen).to(kind)
+    names = [name for name, _ in _C.variants()]
+    index = -1 if variant == "widest" else names.index(variant)
     out = torch.empty_like(query)
 
     def step():
         for cache in caches:
             _C.paged_decode_attention(
-                out, query, cache[0].transpose(1, 2), cache[1].transpose(1, 2), table, lens, head_size**-0.5, 0.0, 0
+                out,
+                query,
+                cache[0].transpose(1, 2),
+                cache[1].transpose(1, 2),
+                table,
+                lens,
+                head_size**-0.5,
+                0.0,
+                0,
+                variant=index,
             )
 
     step()
@@ -52,8 +70,10 @@ def main(
     for _ in range(repeats):
         step()
     seconds = (time.perf_counter() - begin) / repeats
-    kv_bytes = float(lens.sum()) * kv_heads * head_size * 2 * 4 * layers
+    kv_bytes = float(lens.sum()) * kv_heads * head_size * 2 * caches[0].element_size() * layers
     return {
+        "variant": variant,
+        "dtype": dtype,
         "ms_per_step": round(seconds * 1e3, 1),
         "kv_read_gb_per_s": round(kv_bytes / seconds / 1e9, 1),
         "threads": torch.get_num_threads(),
@@ -61,4 +81,8 @@ def main(
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", default="widest", help="an ISA variant (_C.variants()), or widest: the default")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args()
+    print(json.dumps(main(variant=args.variant, dtype=args.dtype)))

@@ -26,6 +26,19 @@ def reference(q, keys, values, scale, cap):
     return torch.einsum("hn,hnd->hd", scores.softmax(-1), v)
 
 
+def scattered_block_table(lens: torch.Tensor, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Each row's blocks at shuffled places of a cache of ``num_blocks`` (block 0 unused): (table, num_blocks)."""
+    blocks_per_row = (lens + block_size - 1) // block_size
+    num_blocks = int(blocks_per_row.sum()) + 1
+    order = torch.randperm(num_blocks - 1, generator=gen).to(torch.int32) + 1
+    table = torch.zeros(len(lens), int(blocks_per_row.max()), dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks_per_row.tolist()):
+        table[row, :count] = order[start : start + count]
+        start += count
+    return table, num_blocks
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (6, 2), (4, 1), (5, 1), (8, 1), (16, 2)])
 @pytest.mark.parametrize("head_size", [64, 48, 80, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -35,14 +48,7 @@ def test_decode_kernel_matches_softmax_attention(num_heads, num_kv_heads, head_s
     gen = torch.Generator().manual_seed(num_heads * 100 + head_size)
     block_size, rows = 16, 5
     lens = torch.tensor([1, 7, 16, 33, 150], dtype=torch.int32)
-    blocks_per_row = (lens + block_size - 1) // block_size
-    num_blocks = int(blocks_per_row.sum()) + 1
-    order = torch.randperm(num_blocks - 1, generator=gen).to(torch.int32) + 1  # scattered, block 0 unused
-    table = torch.zeros(rows, int(blocks_per_row.max()), dtype=torch.int32)
-    start = 0
-    for row, count in enumerate(blocks_per_row.tolist()):
-        table[row, :count] = order[start : start + count]
-        start += count
+    table, num_blocks = scattered_block_table(lens, block_size, gen)
     cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
     key_cache, value_cache = cache[0].transpose(1, 2), cache[1].transpose(1, 2)  # head-major, seen token-major
     q = torch.randn(rows, num_heads, head_size, generator=gen).to(dtype)
@@ -85,3 +91,64 @@ def test_mla_decode_kernel_matches_softmax_over_latents(rows, num_heads, latent,
         p = (query[r].double() @ rows_of_r.T * scale).softmax(-1)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[r].double(), p @ rows_of_r[:, :rank], atol=tolerance, rtol=tolerance)
+
+
+def _attention_modules():
+    """(name, module, variant) for every ISA variant of the decode loops this machine can run: natively, and the
+    AVX-512 one over SIMDe where the emulated build exists (CPUs without AVX-512)."""
+    from engine_attention_cpu import _C
+
+    found = [(f"native-{name}", _C, index) for index, (name, runs) in enumerate(_C.variants()) if runs]
+    if importlib.util.find_spec("engine_attention_cpu._C_emulated") is not None:
+        from engine_attention_cpu import _C_emulated
+
+        found.append(("simde-avx512", _C_emulated, [n for n, _ in _C_emulated.variants()].index("avx512")))
+    return found
+
+
+@pytest.mark.parametrize(
+    "head_size,value_size", [(64, 64), (128, 128), (80, 80), (96, 96), (48, 48), (112, 112), (576, 512)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_every_isa_variant_gives_the_avx2_variants_bits(head_size, value_size, dtype):
+    """The loops are one source compiled per ISA (attention_rows.inc): the AVX-512 variant takes 64 columns a pass
+    over the value rows where AVX2 takes 32, with the same multiply-add chain per element, so the bits agree for
+    every split of the head into passes (64 = 1 or 2 passes, 80 = 64 + 16, 96 = 64 + 32, 112 = 64 + 32 + 16, and
+    MLA's 576-wide keys with 512-wide values). Where the CPU lacks AVX-512, its code runs over SIMDe."""
+    from engine_attention_cpu import _C
+
+    modules = _attention_modules()
+    if not any(name.endswith("avx512") for name, _, _ in modules):
+        pytest.skip("neither AVX-512 nor the SIMDe build (cmeel-simde) is here")
+    gen = torch.Generator().manual_seed(head_size)
+    block_size, num_heads, num_kv_heads = 16, 6, 2
+    lens = torch.tensor([1, 9, 16, 47, 200], dtype=torch.int32)
+    rows = len(lens)
+    table, num_blocks = scattered_block_table(lens, block_size, gen)
+    cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
+    key_cache = cache[0].transpose(1, 2)
+    value_cache = cache[1].transpose(1, 2)[..., :value_size]
+    q = torch.randn(rows, num_heads, head_size, generator=gen).to(dtype)
+    for window, cap in [(0, 0.0), (20, 0.0), (0, 5.0)]:
+        expected = torch.empty(rows, num_heads, value_size, dtype=dtype)
+        _C.paged_decode_attention(expected, q, key_cache, value_cache, table, lens, 0.125, cap, window, variant=0)
+        for name, module, variant in modules:
+            out = torch.empty_like(expected)
+            module.paged_decode_attention(
+                out, q, key_cache, value_cache, table, lens, 0.125, cap, window, variant=variant
+            )
+            assert torch.equal(out, expected), (name, window, cap)
+
+
+def test_a_variant_the_cpu_lacks_is_refused():
+    from engine_attention_cpu import _C
+
+    lacking = [index for index, (_, runs) in enumerate(_C.variants()) if not runs]
+    q = torch.randn(1, 2, 64)
+    cache = torch.randn(2, 1, 16, 1, 64)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    for variant in lacking + [7]:
+        with pytest.raises(RuntimeError, match="lacks the instructions of attention variant"):
+            _C.paged_decode_attention(
+                torch.empty_like(q), q, cache[0], cache[1], table, lens, 0.1, 0.0, 0, variant=variant
+            )

@@ -31,9 +31,9 @@ def simde_include_dir():
 
 
 def emulated_extensions():
-    """On a CPU without AVX-512 VNNI, the GEMM and the quantized kernels a second time with SIMDe's AVX-512 (tests
-    only): the avx512 and avx512vnni variants' code is then tested on this machine too. ENGINE_BUILD_EMULATED=1
-    builds them on any CPU (to check that build where the CPU has the instructions)."""
+    """On a CPU without AVX-512 VNNI, the decode attention, the GEMM and the quantized kernels a second time with
+    SIMDe's AVX-512 (tests only): the avx512 and avx512vnni variants' code is then tested on this machine too.
+    ENGINE_BUILD_EMULATED=1 builds them on any CPU (to check that build where the CPU has the instructions)."""
     include = simde_include_dir()
     forced = os.environ.get("ENGINE_BUILD_EMULATED") == "1"
     if include is None or (AVX512_VNNI_FLAGS <= cpu_flags() and not forced):
@@ -49,6 +49,7 @@ def emulated_extensions():
         )
 
     return [
+        emulated("_C_emulated", "paged_attention.cpp"),
         emulated("_gemm_emulated", "gemm.cpp"),
         emulated("_quant_emulated", "quant_gemm.cpp", "-ffp-contract=off"),
         emulated("_moe_emulated", "fused_moe.cpp"),

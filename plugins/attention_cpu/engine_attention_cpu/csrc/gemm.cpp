@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "float_variants.h"
 #include "spin_pool.h"
 #include "vec_avx2.h"
 
@@ -425,35 +426,6 @@ void gemv_panels(const float* x, int64_t ldx, const W* w, int64_t k, int64_t n, 
 #endif
 #endif  // ENGINE_AVX2
 
-enum Variant : int64_t { kVariantAvx2 = 0, kVariantAvx512 = 1 };
-
-// Whether this CPU runs a variant (in the SIMDe build, AVX-512 needs only AVX2: its instructions are emulated).
-bool cpu_has_variant(int64_t variant) {
-#ifdef ENGINE_AVX2
-  __builtin_cpu_init();
-  if (variant == kVariantAvx2) return true;
-#ifdef ENGINE_EMULATE_AVX512
-  if (variant == kVariantAvx512) return true;
-#else
-  if (variant == kVariantAvx512) return __builtin_cpu_supports("avx512f");
-#endif
-#endif
-  return false;
-}
-
-// The variant a product runs unless told: the widest this CPU has natively (never an emulated one).
-int64_t default_variant() {
-#ifdef ENGINE_EMULATE_AVX512
-  return kVariantAvx2;
-#else
-  static const int64_t widest = cpu_has_variant(kVariantAvx512) ? kVariantAvx512 : kVariantAvx2;
-  return widest;
-#endif
-}
-
-std::vector<std::tuple<std::string, bool>> variants() {
-  return {{"avx2", cpu_has_variant(kVariantAvx2)}, {"avx512", cpu_has_variant(kVariantAvx512)}};
-}
 
 // out[M, N] = x[M, K] @ weight.T + bias, with the weight packed by pack_weight and bias padded to the panels.
 // variant: kVariantAvx2, kVariantAvx512 or -1 (default_variant()): the same bits whichever runs.

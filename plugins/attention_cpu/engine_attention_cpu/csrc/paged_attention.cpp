@@ -16,8 +16,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_variants.h"
 #include "spin_pool.h"
 #include "vec_avx2.h"
+
+#ifdef ENGINE_EMULATE_AVX512
+// The build for tests on CPUs without AVX-512 (setup.py's _C_emulated): the AVX-512 variant's instructions come from
+// SIMDe (exact, slow), the AVX2 ones stay native.
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#endif
 
 namespace {
 
@@ -27,8 +35,9 @@ using namespace engine_cpu;
 // While visiting row o of a block it prefetches the bytes [prefetch_from, prefetch_to) of row o of the
 // next one: blocks are scattered, so the hardware prefetcher cannot guess the next page, and spreading
 // the prefetches over the block keeps the cache's miss queue from filling at each block start.
+// Always inlined: each ISA variant's row loop (attention_rows.inc) is then compiled with that variant's target.
 template <typename scalar_t, typename Fn>
-inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
+__attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
                          int64_t stride_tok, int64_t first, int64_t last, int64_t prefetch_from,
                          int64_t prefetch_to, Fn&& fn) {
   int64_t t = first;
@@ -50,6 +59,7 @@ inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t bl
   }
 }
 
+// The portable loops, for head sizes the vector variants do not take (and CPUs without AVX2).
 // scores[g * n + i] = scale * q_g . k_(first + i) for the G query heads q (G rows of head_size floats)
 // that share one KV head: each K row is read once for all of them. Soft-capped when cap > 0.
 template <int G, typename scalar_t>
@@ -57,77 +67,22 @@ void score_rows(float* scores, const float* q, const scalar_t* cache, const int3
                 int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size,
                 float scale, float cap) {
   const int64_t n = last - first;
-  const int64_t row_bytes = head_size * int64_t(sizeof(scalar_t));
-#ifdef ENGINE_AVX2
-  if (head_size % 16 == 0) {
-    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0, row_bytes,
-                 [&](int64_t t, const scalar_t* k) {
-      __m256 a[G][2];
-      for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < head_size; d += 16) {
-        const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
-        for (int g = 0; g < G; ++g) {
-          a[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_size + d), k0, a[g][0]);
-          a[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_size + d + 8), k1, a[g][1]);
-        }
-      }
-      for (int g = 0; g < G; ++g) scores[g * n + t - first] = horizontal_sum(_mm256_add_ps(a[g][0], a[g][1])) * scale;
-    });
-  } else
-#endif
-  {
-    for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0, row_bytes,
-                 [&](int64_t t, const scalar_t* k) {
-      for (int g = 0; g < G; ++g) {
-        float total = 0.f;
-        for (int64_t d = 0; d < head_size; ++d) total += q[g * head_size + d] * as_float(k[d]);
-        scores[g * n + t - first] = total * scale;
-      }
-    });
-  }
+  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0, head_size * int64_t(sizeof(scalar_t)),
+               [&](int64_t t, const scalar_t* k) {
+    for (int g = 0; g < G; ++g) {
+      float total = 0.f;
+      for (int64_t d = 0; d < head_size; ++d) total += q[g * head_size + d] * as_float(k[d]);
+      scores[g * n + t - first] = total * scale;
+    }
+  });
   if (cap > 0.f)
     for (int64_t i = 0; i < G * n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
 }
-
-#ifdef ENGINE_AVX2
-// out[g * head_size + d0 : + 8W] = sum_i p[g * n + i] * v_(first + i)[d0 : d0 + 8W] for G heads at once.
-template <int G, int W, typename scalar_t>
-void weigh_slice(float* out, const float* p, const scalar_t* cache, const int32_t* table, int64_t block_size,
-                 int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size,
-                 int64_t d0) {
-  const int64_t n = last - first;
-  __m256 acc[G][W];
-  for (int g = 0; g < G; ++g)
-    for (int w = 0; w < W; ++w) acc[g][w] = _mm256_setzero_ps();
-  const int64_t from = d0 * int64_t(sizeof(scalar_t)), to = (d0 + 8 * W) * int64_t(sizeof(scalar_t));
-  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, from, to,
-               [&](int64_t t, const scalar_t* v) {
-    __m256 weight[G];
-    for (int g = 0; g < G; ++g) weight[g] = _mm256_set1_ps(p[g * n + t - first]);
-    for (int w = 0; w < W; ++w) {
-      const __m256 x = load8(v + d0 + 8 * w);
-      for (int g = 0; g < G; ++g) acc[g][w] = _mm256_fmadd_ps(weight[g], x, acc[g][w]);
-    }
-  });
-  for (int g = 0; g < G; ++g)
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + g * head_size + d0 + 8 * w, acc[g][w]);
-}
-#endif
 
 // out[g * head_size + d] = sum_i p[g * n + i] * v_(first + i)[d] for the G heads that share one KV head.
 template <int G, typename scalar_t>
 void weigh_rows(float* out, const float* p, const scalar_t* cache, const int32_t* table, int64_t block_size,
                 int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size) {
-#ifdef ENGINE_AVX2
-  if (head_size % 16 == 0) {  // 32 columns at a time (G x 4 accumulators fit the 16 registers), then 16
-    int64_t d0 = 0;
-    for (; d0 + 32 <= head_size; d0 += 32)
-      weigh_slice<G, 4>(out, p, cache, table, block_size, stride_block, stride_tok, first, last, head_size, d0);
-    if (d0 < head_size)
-      weigh_slice<G, 2>(out, p, cache, table, block_size, stride_block, stride_tok, first, last, head_size, d0);
-    return;
-  }
-#endif
   const int64_t n = last - first;
   std::fill(out, out + G * head_size, 0.f);
   for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0,
@@ -153,12 +108,66 @@ void attend_heads(float* acc, float* scores, const float* q, const scalar_t* key
   weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, v_size);
 }
 
+#ifdef ENGINE_AVX2
+// The vector variants: one source (attention_rows.inc), compiled for AVX2 (16 lanes in two registers) and for
+// AVX-512 (one register, and 32 of them: a pass over the value rows takes 64 columns of three heads instead of 32).
+namespace avx2 {
+struct Lanes16 {
+  struct V {
+    __m256 lo, hi;
+  };
+  static constexpr int kSliceVectors = 2;
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  template <typename scalar_t>
+  static V load(const scalar_t* p) { return {load8(p), load8(p + 8)}; }
+  static V set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static float sum(V v) { return horizontal_sum(_mm256_add_ps(v.lo, v.hi)); }
+  static void store(float* p, V v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+  }
+};
+#include "attention_rows.inc"
+}  // namespace avx2
+
+#ifndef ENGINE_EMULATE_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#endif
+namespace avx512 {
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kSliceVectors = 4;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) {  // lanes 0-7 plus lanes 8-15, then as AVX2 sums its two halves
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return horizontal_sum(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#include "attention_rows.inc"
+}  // namespace avx512
+#ifndef ENGINE_EMULATE_AVX512
+#pragma GCC pop_options
+#endif
+#endif  // ENGINE_AVX2
+
 constexpr int64_t kSerialWork = 1 << 15;  // context tokens x query heads x head size
 
 template <typename scalar_t>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                           const torch::Tensor& seq_lens, double scale, double soft_cap, int64_t sliding_window) {
+                           const torch::Tensor& seq_lens, double scale, double soft_cap, int64_t sliding_window,
+                           int64_t variant) {
   const int64_t num_rows = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
@@ -184,6 +193,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   // the heads of a KV group go in chunks of at most 3 (as even as possible): 3 heads' accumulators fill
   // the 16 vector registers, and each chunk reads the group's K and V rows once
   const int64_t num_chunks = (group + 2) / 3;
+  // the vector variants take head and value sizes that are multiples of 16, the portable loops any other
+  const bool vectors = head_size % 16 == 0 && v_size % 16 == 0;
 
   // (request, KV head, chunk of heads) items, longest first, each taken by whichever thread is free: request
   // lengths vary tenfold, and an even split of the item range would leave one thread waiting for the other; a
@@ -222,6 +233,14 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
       }
       auto attend = [&](auto heads_constant) {
         constexpr int G = decltype(heads_constant)::value;
+#ifdef ENGINE_AVX2
+        if (vectors) {
+          (variant == kVariantAvx512 ? avx512::attend_heads<G, scalar_t> : avx2::attend_heads<G, scalar_t>)(
+              acc.data(), scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok, vc_block,
+              vc_tok, first, seq_len, head_size, v_size, fscale, fcap);
+          return;
+        }
+#endif
         attend_heads<G>(acc.data(), scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok,
                         vc_block, vc_tok, first, seq_len, head_size, v_size, fscale, fcap);
       };
@@ -241,9 +260,10 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
 // query [rows, Hq, D], out [rows, Hq, Dv]; key_cache [blocks, block_size, Hkv, D], value_cache the same with Dv <= D
 // (MLA passes its latent cache as both, the values a prefix of each row); block_table [rows, max_blocks]
 // int32; seq_lens [rows] int32 (the query is the token at position seq_len - 1).
+// variant: kVariantAvx2, kVariantAvx512 or -1 (the widest this CPU runs natively); every variant gives the same bits.
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
-                            double scale, double soft_cap, int64_t sliding_window) {
+                            double scale, double soft_cap, int64_t sliding_window, int64_t variant = -1) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.size(0) == query.size(0) && out.size(1) == query.size(1),
               "query must be [rows, heads, head_size] and out [rows, heads, value size]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && value_cache.size(0) == key_cache.size(0) &&
@@ -260,13 +280,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, out and caches must share a dtype");
+  const int64_t chosen = variant < 0 ? engine_cpu::default_variant() : variant;
+  TORCH_CHECK(engine_cpu::cpu_has_variant(chosen), "this CPU lacks the instructions of attention variant ", variant);
   AT_DISPATCH_SWITCH(query.scalar_type(), "paged_decode_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_table, seq_lens, scale, soft_cap, sliding_window); })
+        block_table, seq_lens, scale, soft_cap, sliding_window, chosen); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_table, seq_lens, scale, soft_cap, sliding_window); })
+        block_table, seq_lens, scale, soft_cap, sliding_window, chosen); })
     AT_DISPATCH_CASE(at::kHalf, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_table, seq_lens, scale, soft_cap, sliding_window); }));
+        block_table, seq_lens, scale, soft_cap, sliding_window, chosen); }));
 }
 
 // key/value [tokens, Hkv, D] into key_cache/value_cache [blocks, block_size, Hkv, D] (strided views with a contiguous
@@ -308,7 +330,10 @@ void write_kv_cache(torch::Tensor key_cache, torch::Tensor value_cache, torch::T
 
 #ifndef ENGINE_KERNELS_NO_MODULE  // the decode graph (decode_graph.cpp) compiles this file in, bindings left out
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("out"),
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("soft_cap"), py::arg("sliding_window"), py::arg("variant") = -1);
+  m.def("variants", &engine_cpu::variants, "each ISA variant of the decode loops and whether this CPU runs it");
   m.def("write_kv_cache", &write_kv_cache, "key/value rows into the paged caches at their slots (CPU)");
 }
 #endif
