@@ -141,6 +141,28 @@ def test_integer_dot_equals_dequantize_then_multiply(fmt, variant):
 
 @needs_kernels
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_activations_round_half_away_from_zero_at_every_tie(variant):
+    """The kernels quantize x per block of 32 as llama.cpp does (C's roundf: halves away from zero), whole blocks
+    in vector code: with the block's largest magnitude 127 its scale is 1, so each x lands on the integer grid
+    as given, and a one-hot weight reads each rounded value back (a tie rounded to even, or 0.49999997 rounded
+    up as x + 0.5 would, is off by one)."""
+    from engine_attention_cpu.quant import QuantDotProduct
+
+    emulated = _variant_or_skip(variant)
+    values = [0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 0.49999997, -0.49999997, 2.4999998, -3.5000002]
+    values += [0.0, -0.0, 1e-8, 7.25, -7.75, 64.5, -65.5, 100.0, 3.5, -4.5, 5.5, -6.5, 8.5, -9.5, 10.5, -11.5]
+    values += [12.5, -13.5, 14.5, -127.0]  # 32 values, the largest magnitude 127
+    x = torch.tensor([values, [-v for v in values]], dtype=torch.float32)
+    assert x.shape == (2, 32)
+    weight = quantize(torch.eye(32), "q8_0")  # each row one-hot: out[:, n] = x's rounded n-th value (scaled)
+    out = QuantDotProduct(weight, None, variant, emulated)(x).double()
+    rounded = torch.sign(x.double()) * torch.floor(x.double().abs() + 0.5)  # exact in float64
+    expected = rounded @ dequantize(weight).double().T
+    assert torch.allclose(out, expected, rtol=1e-6, atol=0), (out - expected).abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
     from engine_attention_cpu.quant import QuantDotProduct
 

@@ -170,6 +170,50 @@ bool cpu_has(int variant) {
   }
 }
 
+#ifdef ENGINE_AVX2
+// The largest magnitude of one whole block of 32 (|x| first: a NaN lane leaves the running maximum, as
+// std::max(amax, NaN) does).
+inline float block_amax_avx2(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// q[j] = x[j] * id rounded half away from zero for one whole block of 32, as std::round does (the truncation and
+// the fraction v - trunc(v) are exact; a fraction of at least one half moves the value one away from zero): the
+// scalar loop's bits. Returns the sum of the integers.
+inline int32_t round_block_avx2(const float* x, float id, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.f), vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f);
+  const __m256 one = _mm256_set1_ps(1.f);
+  __m256i sum = _mm256_setzero_si256();
+  alignas(32) int32_t ints[kBlock];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vid);
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
+    const __m256 away = _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(v, sign), one));  // +-1 where it rounds away
+    const __m256i n = _mm256_cvttps_epi32(_mm256_add_ps(t, away));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ints + 8 * i), n);
+    sum = _mm256_add_epi32(sum, n);
+  }
+  for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(ints[j]);
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// A block's scale d = amax / 127 and its inverse (0 for an all-zero block).
+inline float block_scale(float amax, float& id) {
+  const float d = amax / 127.f;
+  id = d > 0.f ? 1.f / d : 0.f;
+  return d;
+}
+
 // x [rows, K] -> int8 blocks (zero-padded to nb * 32), a scale per block and scale * sum per block.
 // Rounds half away from zero (C's roundf), as llama.cpp and engine.quantization.formats do.
 void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t nb, int8_t* xq, float* xd, float* xs) {
@@ -178,9 +222,20 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t nb, int8_t* 
       const float* row = x + r * k;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t start = b * kBlock, stop = std::min(k, start + kBlock);
+#ifdef ENGINE_AVX2
+        if (stop - start == kBlock) {  // a whole block (every block of a GGUF width)
+          float id = 0.f;
+          const float d = block_scale(block_amax_avx2(row + start), id);
+          const int32_t sum = round_block_avx2(row + start, id, xq + r * nb * kBlock + start);
+          xd[r * nb + b] = d;
+          xs[r * nb + b] = d * static_cast<float>(sum);
+          continue;
+        }
+#endif
         float amax = 0.f;
         for (int64_t j = start; j < stop; ++j) amax = std::max(amax, std::fabs(row[j]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        float id = 0.f;
+        const float d = block_scale(amax, id);
         int32_t sum = 0;
         int8_t* q = xq + r * nb * kBlock + start;
         for (int64_t j = start; j < start + kBlock; ++j) {
