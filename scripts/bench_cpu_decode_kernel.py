@@ -3,12 +3,17 @@
 
     python scripts/bench_cpu_decode_kernel.py      # prints JSON: ms per step and the KV read rate
     python scripts/bench_cpu_decode_kernel.py --variant avx2 --dtype bfloat16   # one ISA variant, a 16-bit cache
+    python scripts/bench_cpu_decode_kernel.py --variant all   # every variant this CPU runs, steps alternating
+
+With several variants the steps alternate (A B A B ...) and each reports its median step: the machine's memory
+bandwidth drifts between runs minutes apart, so only variants timed side by side compare.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import engine  # noqa: F401  (before torch: engine sets OpenMP's wait policy before OpenMP starts)
@@ -29,7 +34,7 @@ def main(
     repeats: int = 5,
     variant: str = "widest",
     dtype: str = "float32",
-) -> dict:
+) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(64, 700, (rows,), dtype=torch.int32, generator=gen)
     blocks_per_row = (lens + block_size - 1) // block_size
@@ -46,11 +51,12 @@ def main(
         torch.randn(2, num_blocks, kv_heads, block_size, head_size, generator=gen).to(kind) for _ in range(layers)
     ]
     query = torch.randn(rows, heads, head_size, generator=gen).to(kind)
-    names = [name for name, _ in _C.variants()]
-    index = -1 if variant == "widest" else names.index(variant)
+    names = [name for name, runs in _C.variants() if runs]
+    chosen = {"widest": [-1], "all": list(range(len(names)))}.get(variant) or [names.index(variant)]
     out = torch.empty_like(query)
 
-    def step():
+    def step(index: int) -> float:
+        begin = time.perf_counter()
         for cache in caches:
             _C.paged_decode_attention(
                 out,
@@ -64,25 +70,34 @@ def main(
                 0,
                 variant=index,
             )
+        return time.perf_counter() - begin
 
-    step()
-    begin = time.perf_counter()
+    for index in chosen:
+        step(index)  # warm-up
+    times: dict[int, list[float]] = {index: [] for index in chosen}
     for _ in range(repeats):
-        step()
-    seconds = (time.perf_counter() - begin) / repeats
+        for index in chosen:
+            times[index].append(step(index))
     kv_bytes = float(lens.sum()) * kv_heads * head_size * 2 * caches[0].element_size() * layers
-    return {
-        "variant": variant,
-        "dtype": dtype,
-        "ms_per_step": round(seconds * 1e3, 1),
-        "kv_read_gb_per_s": round(kv_bytes / seconds / 1e9, 1),
-        "threads": torch.get_num_threads(),
-    }
+    results = []
+    for index in chosen:
+        seconds = statistics.median(times[index])
+        results.append(
+            {
+                "variant": variant if index < 0 else names[index],
+                "dtype": dtype,
+                "ms_per_step": round(seconds * 1e3, 1),
+                "kv_read_gb_per_s": round(kv_bytes / seconds / 1e9, 1),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    return results
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="widest", help="an ISA variant (_C.variants()), or widest: the default")
+    parser.add_argument("--variant", default="widest", help="an ISA variant (_C.variants()), widest (default) or all")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
-    print(json.dumps(main(variant=args.variant, dtype=args.dtype)))
+    for result in main(variant=args.variant, dtype=args.dtype, repeats=9 if args.variant == "all" else 5):
+        print(json.dumps(result))
