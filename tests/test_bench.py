@@ -684,6 +684,23 @@ def test_decode_bandwidth_bound_counts_what_a_token_reads(smollm2_gguf, tiny_lla
     assert shares == {"bytes_per_token": 10**8, "bandwidth_bound_tok_s": 200.0, "share_of_bandwidth": 0.25}
 
 
+def test_the_bandwidth_of_a_benchmark_is_the_median_of_its_readings():
+    """``engine bench latency`` reads the bandwidth before, between and after its runs; the shares use the median,
+    and every reading stays in the JSON."""
+    from engine_bench.bandwidth import combine_readings
+
+    readings = [
+        {"read_gb_s": 31.9, "triad_gb_s": 35.4, "threads": 2, "array_mib": 256},
+        {"read_gb_s": 53.1, "triad_gb_s": 52.1, "threads": 2, "array_mib": 256},
+        {"read_gb_s": 38.9, "triad_gb_s": 50.4, "threads": 2, "array_mib": 256},
+    ]
+    combined = combine_readings(readings)
+    assert combined["read_gb_s"] == 38.9 and combined["triad_gb_s"] == 50.4
+    assert combined["read_gb_s_readings"] == [31.9, 53.1, 38.9] and combined["threads"] == 2
+    with pytest.raises(ValueError):
+        combine_readings([])
+
+
 def test_soak_drives_mixed_traffic_and_finds_no_leak_or_unintended_error(tiny_llama, tmp_path):
     """The suite's short soak (docs/benchmarks.md has the 30-minute one): streams, plain calls, dropped streams
     and hostile bodies for 20 s; the only errors are the intended ones, every KV block comes back, and the

@@ -11,6 +11,7 @@ so ``read bandwidth / bytes read per token`` is the most tokens/s any engine can
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -33,6 +34,20 @@ def measure_bandwidth(array_bytes: int = ARRAY_BYTES, passes: int = PASSES) -> d
     read = best(lambda: b.sum(), 4 * n)
     triad = best(lambda: torch.add(b, c, alpha=3.0, out=a), 3 * 4 * n)
     return {"read_gb_s": read, "triad_gb_s": triad, "threads": torch.get_num_threads(), "array_mib": array_bytes >> 20}
+
+
+def combine_readings(readings: list[dict[str, Any]]) -> dict[str, Any]:
+    """One bandwidth from several ``measure_bandwidth`` readings taken through a benchmark (before, between and after
+    its runs): the median of each rate, with every reading kept (``read_gb_s_readings``). A shared machine's
+    bandwidth drifts by half from one minute to the next, so a single reading makes any share of it a draw."""
+    if not readings:
+        raise ValueError("no bandwidth reading to combine")
+    combined = dict(readings[0])
+    for rate in ("read_gb_s", "triad_gb_s"):
+        values = [reading[rate] for reading in readings]
+        combined[rate] = round(statistics.median(values), 2)
+        combined[f"{rate}_readings"] = values
+    return combined
 
 
 def _timed(kernel) -> float:

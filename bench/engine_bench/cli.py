@@ -731,7 +731,7 @@ def cmd_latency_against_llama_cpp(args) -> int:
     import torch
 
     from engine.model.model_info import default_model_path
-    from engine_bench.bandwidth import decode_shares, gguf_bytes_per_token, measure_bandwidth
+    from engine_bench.bandwidth import combine_readings, decode_shares, gguf_bytes_per_token, measure_bandwidth
     from engine_bench.offline import _in_fresh_process
     from engine_bench.single_stream import compare, run_llama_bench, run_single_stream
 
@@ -739,15 +739,20 @@ def cmd_latency_against_llama_cpp(args) -> int:
     peer_model = args.peer_model or base.get("model", {}).get("model") or default_model_path()
     threads = base.get("device", {}).get("num_threads") or torch.get_num_threads()
     results = {}
+    # on threads as the engine's process sets them; read before, between and after the runs (the median counts)
+    readings = []
     with noisy_neighbours(args.noisy_neighbour):
+        readings.append(_in_fresh_process(measure_bandwidth))
         for label, overrides in variants:
             results[label] = _in_fresh_process(
                 run_single_stream, {**base, **overrides}, args.input_len, args.output_len, args.iterations
             )  # its own peak memory
+            readings.append(_in_fresh_process(measure_bandwidth))
         peer = run_llama_bench(
             args.peer_binary, peer_model, args.input_len, args.output_len, threads, repetitions=args.iterations
         )
-        bandwidth = _in_fresh_process(measure_bandwidth)  # on threads as the engine's process sets them
+        readings.append(_in_fresh_process(measure_bandwidth))
+    bandwidth = combine_readings(readings)
     for result in results.values():
         result.update(compare(result, peer))
         if result.get("bytes_per_token"):
