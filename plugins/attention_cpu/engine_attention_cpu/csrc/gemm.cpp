@@ -426,7 +426,6 @@ void gemv_panels(const float* x, int64_t ldx, const W* w, int64_t k, int64_t n, 
 #endif
 #endif  // ENGINE_AVX2
 
-
 // out[M, N] = x[M, K] @ weight.T + bias, with the weight packed by pack_weight and bias padded to the panels.
 // variant: kVariantAvx2, kVariantAvx512 or -1 (default_variant()): the same bits whichever runs.
 void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,

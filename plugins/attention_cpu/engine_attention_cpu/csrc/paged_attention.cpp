@@ -37,9 +37,10 @@ using namespace engine_cpu;
 // the prefetches over the block keeps the cache's miss queue from filling at each block start.
 // Always inlined: each ISA variant's row loop (attention_rows.inc) is then compiled with that variant's target.
 template <typename scalar_t, typename Fn>
-__attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
-                         int64_t stride_tok, int64_t first, int64_t last, int64_t prefetch_from,
-                         int64_t prefetch_to, Fn&& fn) {
+__attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, const int32_t* table,
+                                                        int64_t block_size, int64_t stride_block, int64_t stride_tok,
+                                                        int64_t first, int64_t last, int64_t prefetch_from,
+                                                        int64_t prefetch_to, Fn&& fn) {
   int64_t t = first;
   while (t < last) {
     const int64_t index = t / block_size;
@@ -67,8 +68,8 @@ void score_rows(float* scores, const float* q, const scalar_t* cache, const int3
                 int64_t stride_block, int64_t stride_tok, int64_t first, int64_t last, int64_t head_size,
                 float scale, float cap) {
   const int64_t n = last - first;
-  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0, head_size * int64_t(sizeof(scalar_t)),
-               [&](int64_t t, const scalar_t* k) {
+  for_each_row(cache, table, block_size, stride_block, stride_tok, first, last, 0,
+               head_size * int64_t(sizeof(scalar_t)), [&](int64_t t, const scalar_t* k) {
     for (int g = 0; g < G; ++g) {
       float total = 0.f;
       for (int64_t d = 0; d < head_size; ++d) total += q[g * head_size + d] * as_float(k[d]);
@@ -280,8 +281,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, out and caches must share a dtype");
+  // by default the widest variant, or the portable loops where the build has no vector variant
+  TORCH_CHECK(variant < 0 || engine_cpu::cpu_has_variant(variant), "this CPU lacks the instructions of attention "
+              "variant ", variant);
   const int64_t chosen = variant < 0 ? engine_cpu::default_variant() : variant;
-  TORCH_CHECK(engine_cpu::cpu_has_variant(chosen), "this CPU lacks the instructions of attention variant ", variant);
   AT_DISPATCH_SWITCH(query.scalar_type(), "paged_decode_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
         block_table, seq_lens, scale, soft_cap, sliding_window, chosen); })
