@@ -39,17 +39,17 @@ def emulated_extensions():
     if include is None or (AVX512_VNNI_FLAGS <= cpu_flags() and not forced):
         return []
 
-    def emulated(name, source, *flags):
+    def emulated(name, sources, *flags):
         return CppExtension(
             f"engine_attention_cpu.{name}",
-            [f"engine_attention_cpu/csrc/{source}"],
+            [f"engine_attention_cpu/csrc/{source}" for source in sources.split()],
             include_dirs=[include],
             extra_compile_args=FLAGS + ["-DENGINE_EMULATE_AVX512", *flags],
             extra_link_args=["-fopenmp"],
         )
 
     return [
-        emulated("_C_emulated", "paged_attention.cpp"),
+        emulated("_C_emulated", "paged_attention.cpp prefill_attention.cpp"),
         emulated("_gemm_emulated", "gemm.cpp"),
         emulated("_quant_emulated", "quant_gemm.cpp", "-ffp-contract=off"),
         emulated("_moe_emulated", "fused_moe.cpp"),
@@ -60,7 +60,7 @@ setup(
     ext_modules=[
         CppExtension(
             "engine_attention_cpu._C",
-            ["engine_attention_cpu/csrc/paged_attention.cpp"],
+            ["engine_attention_cpu/csrc/paged_attention.cpp", "engine_attention_cpu/csrc/prefill_attention.cpp"],
             extra_compile_args=FLAGS,
             extra_link_args=["-fopenmp"],
         ),

@@ -1,5 +1,6 @@
 """The ``cpu`` attention backend: decode tokens through a C++ kernel that reads the paged KV cache in
-place (no gathered copy, no padding to the longest request), prompt chunks through torch's SDPA.
+place (no gathered copy, no padding to the longest request); prompt chunks through a second kernel over the same
+cache (register tiles, a running softmax), or torch's SDPA for head sizes that are not a multiple of 16.
 
 The kernel (``csrc/paged_attention.cpp``) is compiled when this distribution is installed
 (``pip install --no-build-isolation plugins/attention_cpu``); without it the backend reports itself
@@ -86,6 +87,9 @@ class CpuAttentionImpl(TorchAttentionImpl):
 
         self._decode = _C.paged_decode_attention
         self._write_kv = _C.write_kv_cache
+        # the prefill kernel's register tiles: a build with vector variants, head sizes in 16-lane steps
+        vectors = any(runs for _, runs in _C.variants())
+        self._prefill = _C.paged_prefill_attention if vectors and self.head_size % 16 == 0 else None
 
     def forward(self, query, key, value, kv_cache, attn_metadata: CpuAttentionMetadata):  # type: ignore[override]
         num_tokens = attn_metadata.num_actual_tokens
@@ -125,7 +129,21 @@ class CpuAttentionImpl(TorchAttentionImpl):
                     window,
                 )
                 output[idx] = decoded
-        self.attend_prefills(q, k, v, kv_cache[0], kv_cache[1], attn_metadata.prefills, output)
+        if self._prefill is None:  # head sizes the tiles do not take, builds without vector variants
+            self.attend_prefills(q, k, v, kv_cache[0], kv_cache[1], attn_metadata.prefills, output)
+            return output.view(num_tokens, self.num_heads * head)
+        for chunk in attn_metadata.prefills:
+            self._prefill(
+                output[chunk.q_start : chunk.q_end],
+                q[chunk.q_start : chunk.q_end],
+                key_cache,
+                value_cache,
+                chunk.block_ids,
+                chunk.context_len,
+                self.scale,
+                float(self.logits_soft_cap or 0.0),
+                int(self.sliding_window or 0),
+            )
         return output.view(num_tokens, self.num_heads * head)
 
     def gather_context(self, cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:

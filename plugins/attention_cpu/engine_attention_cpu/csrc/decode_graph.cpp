@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "lanes16.h"  // before paged_attention.cpp, which includes it inside a namespace below
 #include "spin_pool.h"
 #include "vec_avx2.h"
 

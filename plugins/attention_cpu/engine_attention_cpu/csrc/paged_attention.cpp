@@ -17,15 +17,9 @@
 #include <vector>
 
 #include "float_variants.h"
+#include "lanes16.h"
 #include "spin_pool.h"
 #include "vec_avx2.h"
-
-#ifdef ENGINE_EMULATE_AVX512
-// The build for tests on CPUs without AVX-512 (setup.py's _C_emulated): the AVX-512 variant's instructions come from
-// SIMDe (exact, slow), the AVX2 ones stay native.
-#define SIMDE_ENABLE_NATIVE_ALIASES
-#include <simde/x86/avx512.h>
-#endif
 
 namespace {
 
@@ -109,58 +103,11 @@ void attend_heads(float* acc, float* scores, const float* q, const scalar_t* key
   weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, v_size);
 }
 
-#ifdef ENGINE_AVX2
 // The vector variants: one source (attention_rows.inc), compiled for AVX2 (16 lanes in two registers) and for
 // AVX-512 (one register, and 32 of them: a pass over the value rows takes 64 columns of three heads instead of 32).
-namespace avx2 {
-struct Lanes16 {
-  struct V {
-    __m256 lo, hi;
-  };
-  static constexpr int kSliceVectors = 2;
-  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  template <typename scalar_t>
-  static V load(const scalar_t* p) { return {load8(p), load8(p + 8)}; }
-  static V set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-  static V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-  static float sum(V v) { return horizontal_sum(_mm256_add_ps(v.lo, v.hi)); }
-  static void store(float* p, V v) {
-    _mm256_storeu_ps(p, v.lo);
-    _mm256_storeu_ps(p + 8, v.hi);
-  }
-};
-#include "attention_rows.inc"
-}  // namespace avx2
-
-#ifndef ENGINE_EMULATE_AVX512
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-#endif
-namespace avx512 {
-struct Lanes16 {
-  using V = __m512;
-  static constexpr int kSliceVectors = 4;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-  static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V v) {  // lanes 0-7 plus lanes 8-15, then as AVX2 sums its two halves
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    return horizontal_sum(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
-  }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-};
-#include "attention_rows.inc"
-}  // namespace avx512
-#ifndef ENGINE_EMULATE_AVX512
-#pragma GCC pop_options
-#endif
-#endif  // ENGINE_AVX2
+#define ENGINE_VARIANT_SOURCE "attention_rows.inc"
+#include "for_each_variant.inc"
+#undef ENGINE_VARIANT_SOURCE
 
 constexpr int64_t kSerialWork = 1 << 15;  // context tokens x query heads x head size
 
@@ -332,10 +279,19 @@ void write_kv_cache(torch::Tensor key_cache, torch::Tensor value_cache, torch::T
 }
 
 #ifndef ENGINE_KERNELS_NO_MODULE  // the decode graph (decode_graph.cpp) compiles this file in, bindings left out
+// prefill_attention.cpp, linked into the same module
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_ids, int64_t context_len, double scale,
+                             double soft_cap, int64_t sliding_window, int64_t variant);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("soft_cap"), py::arg("sliding_window"), py::arg("variant") = -1);
+  m.def("paged_prefill_attention", &paged_prefill_attention, "one prompt chunk's attention over the paged cache (CPU)",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_ids"),
+        py::arg("context_len"), py::arg("scale"), py::arg("soft_cap"), py::arg("sliding_window"),
+        py::arg("variant") = -1);
   m.def("variants", &engine_cpu::variants, "each ISA variant of the decode loops and whether this CPU runs it");
   m.def("write_kv_cache", &write_kv_cache, "key/value rows into the paged caches at their slots (CPU)");
 }
