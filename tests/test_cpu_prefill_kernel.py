@@ -198,12 +198,13 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.parametrize(
     "config",
-    [{}, {"max_num_batched_tokens": 64}],
-    ids=["whole-prompts", "chunks-after-context"],
+    [{}, {"max_num_batched_tokens": 64}, {"attention_options": '{"prefill": "sdpa"}'}],
+    ids=["whole-prompts", "chunks-after-context", "sdpa-by-option"],
 )
 def test_long_prompts_through_the_kernel_decode_as_transformers_does(tiny_llama, hf_tiny_llama, monkeypatch, config):
     """Prompts of 130-300 tokens (whole, or in chunks of 64 after their cached part) attend through the kernel in
-    the engine, and greedy decoding equals transformers'."""
+    the engine, and greedy decoding equals transformers'; ``attention.options`` {"prefill": "sdpa"} (as ``--ab``
+    passes it, JSON text) sends them through SDPA instead, with the same tokens."""
     from engine import LLM, SamplingParams
     from engine_attention_cpu import _C
 
@@ -223,5 +224,16 @@ def test_long_prompts_through_the_kernel_decode_as_transformers_does(tiny_llama,
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_tiny_llama, prompts, 16)
-    assert calls, "no prompt chunk went through the kernel"
+    if "attention_options" in config:
+        assert not calls, "the sdpa option still went through the kernel"
+    else:
+        assert calls, "no prompt chunk went through the kernel"
     assert_all_blocks_free(llm)
+
+
+def test_an_unknown_prefill_option_names_the_key_and_the_choices():
+    from engine.config import ConfigError
+    from engine_attention_cpu.attention import CpuAttentionImpl
+
+    with pytest.raises(ConfigError, match=r"attention.options.prefill: 'fast' is not one of 'kernel', 'sdpa'"):
+        CpuAttentionImpl(4, 64, 0.125, 2, None, None, {"prefill": "fast"})

@@ -313,11 +313,25 @@ class SpeculativeConfig(_Section):
         return low, high
 
 
+def options_from_json(value: Any) -> Any:
+    """A plugin's options given as a JSON object in text (``--ab attention.options={...}``, a string in a config
+    file) parsed into a dict; anything else as given."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"options must be a JSON object: {error}") from None
+    return value
+
+
 class AttentionConfig(_Section):
     """Attention backend plugin and its own options."""
 
     backend: str = plugin_choice("attention")
     options: dict[str, Any] = Field(default_factory=dict, description="options passed to the backend")
+    _options = field_validator("options", mode="before")(classmethod(lambda cls, value: options_from_json(value)))
 
 
 class PoolerConfig(_Section):

@@ -1,6 +1,7 @@
 """The ``cpu`` attention backend: decode tokens through a C++ kernel that reads the paged KV cache in
 place (no gathered copy, no padding to the longest request); prompt chunks through a second kernel over the same
-cache (register tiles, a running softmax), or torch's SDPA for head sizes that are not a multiple of 16.
+cache (register tiles, a running softmax), or torch's SDPA for head sizes that are not a multiple of 16 (and where
+``attention.options`` says ``{"prefill": "sdpa"}``, for A/B comparisons).
 
 The kernel (``csrc/paged_attention.cpp``) is compiled when this distribution is installed
 (``pip install --no-build-isolation plugins/attention_cpu``); without it the backend reports itself
@@ -18,6 +19,7 @@ import torch
 
 from engine.attention.mla import MLACommonImpl
 from engine.attention.torch_backend import PrefillChunk, TorchAttentionImpl, TorchAttentionMetadataBuilder
+from engine.config import ConfigError
 from engine.interfaces.attention import AttentionBackend, CommonAttentionMetadata
 
 
@@ -31,6 +33,9 @@ class CpuAttentionMetadata:
     all_decode: bool  # every token of the step is a decode token (no gather / scatter needed)
     prefills: list[PrefillChunk]
 
+
+# attention.options.prefill: prompt chunks through the kernel (where it takes the head size) or through torch's SDPA
+PREFILL_CHOICES = ("kernel", "sdpa")
 
 # a request continuing its context with at most this many query tokens (speculative decoding's verification of
 # drafts) attends through the paged decode kernel, one decode row per token, each seeing its causal prefix
@@ -89,7 +94,13 @@ class CpuAttentionImpl(TorchAttentionImpl):
         self._write_kv = _C.write_kv_cache
         # the prefill kernel's register tiles: a build with vector variants, head sizes in 16-lane steps
         vectors = any(runs for _, runs in _C.variants())
-        self._prefill = _C.paged_prefill_attention if vectors and self.head_size % 16 == 0 else None
+        prefill = self.options.get("prefill", "kernel")
+        if prefill not in PREFILL_CHOICES:
+            raise ConfigError(
+                f"attention.options.prefill: {prefill!r} is not one of {', '.join(map(repr, PREFILL_CHOICES))}"
+            )
+        takes = prefill == "kernel" and vectors and self.head_size % 16 == 0
+        self._prefill = _C.paged_prefill_attention if takes else None
 
     def forward(self, query, key, value, kv_cache, attn_metadata: CpuAttentionMetadata):  # type: ignore[override]
         num_tokens = attn_metadata.num_actual_tokens
