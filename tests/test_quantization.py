@@ -60,6 +60,23 @@ def _top5_agreement(reference_outputs, outputs) -> tuple[int, int]:
     return steps, parted
 
 
+def _teacher_forced_agreement(llm, prompts, reference_outputs) -> tuple[int, int]:
+    """(positions where ``llm``'s most likely token is the reference's, positions scored): each prompt with the
+    reference's generated tokens appended, scored by ``llm`` (prompt logprobs); asserts that every reference token is
+    within ``llm``'s top 5 given the same prefix."""
+    sequences = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, reference_outputs)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    scored = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    agree = total = 0
+    for prompt, sequence, output in zip(prompts, sequences, scored):
+        for position in range(len(prompt), len(sequence)):
+            rank = output.prompt_logprobs[position][sequence[position]].rank
+            assert rank is not None and rank <= 5, (position, rank)
+            agree += rank == 1
+            total += 1
+    return agree, total
+
+
 def _generate(llm, prompts, steps):
     params = SamplingParams(temperature=0, max_tokens=steps, logprobs=5, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -122,12 +139,15 @@ def test_gguf_q4_1_keeps_blocks_packed_and_agrees_with_the_dequantized_model():
     assert float_bytes < 1 << 20  # only the norms remain float
     steps, parted = _top5_agreement(expected, _generate(llm, prompts, 32))
     # the activations are quantized to int8 in the products, as llama.cpp does: greedy sequences part where two
-    # logits are close (5 of 8 within 32 tokens here, 205 of 256 steps equal), always within each other's top-5
+    # logits are close, always within each other's top-5. Where they part is chaotic (a change of 1e-6 in the
+    # attention's sums moves a first step's logprobs by up to 0.09 through the int8 rounding), so the closeness is
+    # measured teacher-forced: the packed model scores the de-quantized model's sequences token by token.
+    agree, scored = _teacher_forced_agreement(llm, prompts, expected)
     print(
         f"gguf q4_1 against the de-quantized model: {parted} of {len(prompts)} greedy sequences parted "
-        f"({steps} steps compared)"
+        f"({steps} steps compared); teacher-forced top-1 agreement {agree} of {scored}"
     )
-    assert steps >= len(prompts) * 32 // 2
+    assert agree >= 0.85 * scored
     assert_all_blocks_free(llm)
     llm.shutdown()
 
