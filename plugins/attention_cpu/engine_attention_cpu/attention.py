@@ -140,7 +140,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
                     window,
                 )
                 output[idx] = decoded
-        if self._prefill is None:  # head sizes the tiles do not take, builds without vector variants
+        if self._prefill is None:  # head sizes the tiles do not take, builds without vector variants, prefill=sdpa
             self.attend_prefills(q, k, v, kv_cache[0], kv_cache[1], attn_metadata.prefills, output)
             return output.view(num_tokens, self.num_heads * head)
         for chunk in attn_metadata.prefills:
