@@ -6,8 +6,8 @@ tokens, where attention split its work). The kernels must give the same bits who
 
 The check runs in a fresh interpreter confined to one core, with OpenMP's threads spinning
 (``OMP_WAIT_POLICY=ACTIVE``, torch imported first) and a torch operation between the kernels, and holds every kernel
-on the pool (integer-dot product, the GEMM's decode rows and its tiled schedule, RMS norm, SiLU, RoPE, paged decode
-attention) to its single-thread bits."""
+on the pool (integer-dot products on rows of blocks and on interleaved weights, the GEMM's decode rows and its tiled
+schedule, RMS norm, SiLU, RoPE, paged decode attention) to its single-thread bits."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ SCRIPT = textwrap.dedent(
         for rows in (1, 3, 40):
             x = torch.randn(rows, 576, generator=g)
             out[f"q4_1/{rows}"] = _quant.forward(x, Q41.data, None, 1, 1, None, 960)
+            # interleaved by 8 rows: one stream per thread, the rest taken from the back (parallel_stream)
+            out[f"q4_1 interleaved/{rows}"] = _quant.forward(x, Q41_X8, None, 1, 1, None, 960)
+            out[f"q8_0 interleaved/{rows}"] = _quant.forward(x, Q80_X8, None, 2, 1, None, 960)
             out[f"int8/{rows}"] = _quant.forward(x, I8.data, I8.scales, 3, 1, None, 960)
             out[f"gemm/{rows}"] = _gemm.forward(x, PANELS, None, 960, -1)  # decode rows, then the tiled GEMM
             normed = torch.empty_like(x)
@@ -62,6 +65,8 @@ SCRIPT = textwrap.dedent(
 
     W = torch.randn(960, 576, generator=g) * 0.05
     Q41, I8 = quantize(W, "q4_1"), quantize(W, "int8")
+    Q41_X8 = _quant.interleave(Q41.data, None, 1, 576)[0]
+    Q80_X8 = _quant.interleave(quantize(W, "q8_0").data, None, 2, 576)[0]
     PANELS = _gemm.pack_weight(W)
     NORM = torch.rand(576, generator=g) + 0.5
     COS, SIN = torch.rand(64, 32, generator=g), torch.rand(64, 32, generator=g)
@@ -86,4 +91,4 @@ def test_kernels_on_the_pool_give_their_single_thread_bits_with_one_core_and_spi
     env = {**os.environ, "OMP_WAIT_POLICY": "ACTIVE", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "same bits 21" in done.stdout
+    assert "same bits 27" in done.stdout

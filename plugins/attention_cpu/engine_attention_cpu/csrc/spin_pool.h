@@ -176,4 +176,56 @@ void parallel_range(int64_t n, int64_t min_per_thread, const F& body, int64_t al
   });
 }
 
+// body(begin, end, stream_end) over [0, n) for kernels that stream their data from memory: one contiguous range per
+// thread, which the thread that takes it walks forward in pieces (its reads are one stream, which its prefetches can
+// run ahead in up to `stream_end`, the end of what is still its own); a thread done with its range takes pieces
+// from the back of another's, so a worker that joins late or never costs the caller only what the worker did not
+// take. Every element is computed by exactly one call, whoever makes it.
+//
+// Measured against parallel_range's four chunks per thread (a 2-core AMD EPYC, a Q4_1 576 x 576 product on one row,
+// the weight read from memory): 10.0 against 13.5 us; each chunk had started its stream anew.
+template <class F>
+void parallel_stream(int64_t n, int64_t min_per_thread, const F& body, int64_t align = 1) {
+  const int64_t threads =
+      std::min<int64_t>(pool().threads(), std::max<int64_t>(1, n / std::max<int64_t>(1, min_per_thread)));
+  if (threads <= 1) {
+    body(0, n, n);
+    return;
+  }
+  constexpr int64_t kPiecesPerRange = 8;
+  const int64_t units = (n + align - 1) / align;  // in whole `align`-sized units, the last one maybe shorter
+  // per range: front (next unit its owner takes) in the high half, back (one past the last unit left) in the low
+  std::vector<std::atomic<uint64_t>> ranges(threads);
+  std::vector<int64_t> piece(threads);
+  for (int64_t t = 0; t < threads; ++t) {
+    const uint64_t front = units * t / threads, back = units * (t + 1) / threads;
+    ranges[t].store(front << 32 | back, std::memory_order_relaxed);
+    piece[t] = std::max<int64_t>(1, (back - front + kPiecesPerRange - 1) / kPiecesPerRange);
+  }
+  auto elements = [&](uint64_t unit) { return std::min<int64_t>(n, static_cast<int64_t>(unit) * align); };
+  std::atomic<int64_t> next_owner{0};
+  run_shared(threads, [&] {
+    const int64_t own = next_owner.fetch_add(1);
+    if (own < threads) {  // forward through its own range
+      for (uint64_t s = ranges[own].load(std::memory_order_acquire);;) {
+        const uint64_t front = s >> 32, back = s & 0xFFFFFFFFull;
+        if (front >= back) break;
+        const uint64_t end = std::min<uint64_t>(back, front + piece[own]);
+        if (ranges[own].compare_exchange_weak(s, end << 32 | back, std::memory_order_acq_rel))
+          body(elements(front), elements(end), elements(back));
+      }
+    }
+    for (int64_t other = 0; other < threads; ++other) {  // then the backs of the others'
+      if (other == own) continue;
+      for (uint64_t s = ranges[other].load(std::memory_order_acquire);;) {
+        const uint64_t front = s >> 32, back = s & 0xFFFFFFFFull;
+        if (front >= back) break;
+        const uint64_t begin = back - std::min<uint64_t>(back - front, piece[other]);
+        if (ranges[other].compare_exchange_weak(s, front << 32 | begin, std::memory_order_acq_rel))
+          body(elements(begin), elements(back), elements(back));
+      }
+    }
+  });
+}
+
 }  // namespace engine_pool
