@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from engine.config import VllmConfig
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="the policy is glibc's mallopt"
@@ -66,3 +69,44 @@ print(applied.call_count, heap_policy._applied)
         out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == expected
+
+
+def test_what_loading_freed_goes_back_to_the_system_once_loaded():
+    """The policy keeps up to 512 MiB of freed heap mapped for the next step; what a load freed (the copies made of
+    each weight on the way to the one kept) is handed back after loading (``release_freed_memory``)."""
+    code = """
+import torch
+from engine.worker.heap_policy import apply_heap_policy, release_freed_memory
+def rss_mib():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) // 1024
+assert apply_heap_policy()
+copies = [torch.ones(2**20) for _ in range(64)]  # 64 x 4 MiB from the heap, written
+kept = [c[:16].clone() for c in copies[::8]]  # a few small tensors stay allocated among them
+del copies
+before = rss_mib()
+assert release_freed_memory()
+print(before - rss_mib())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) >= 128, out.stdout  # most of the 256 MiB freed
+
+
+def test_the_cpu_worker_releases_what_loading_freed():
+    from unittest import mock
+
+    from engine.worker import worker as worker_module
+
+    with mock.patch.object(worker_module, "release_freed_memory") as released:
+        for keep, calls in ((True, 1), (False, 0)):
+            released.reset_mock()
+            config = VllmConfig(device={"device": "cpu", "keep_freed_memory": keep})
+            worker = worker_module.Worker(config, mock.MagicMock())  # every plugin choice a mock
+            worker.device = torch.device("cpu")
+            with (
+                mock.patch.object(worker_module, "ModelRunner"),
+                mock.patch.object(worker_module, "resolve_model"),
+                mock.patch.object(worker_module, "get_plugin_manager"),
+            ):
+                worker.load_model()
+            assert released.call_count == calls

@@ -395,6 +395,11 @@ class DeviceConfig(_Section):
         description="a CPU worker keeps the memory a step frees mapped for the next step (glibc's mmap and trim "
         "thresholds fixed at 256 and 512 MiB) instead of faulting large tensors in anew every step",
     )
+    huge_pages: bool = Field(
+        True,
+        description="a CPU worker places the quantized weights its kernels stream each decode step (GGUF, int8) in 2 "
+        "MiB transparent huge pages (madvise) where the kernel offers them: fewer page walks, longer prefetch runs",
+    )
     kernel_cache: bool = Field(
         True,
         description="read the linear products chosen by measurement from the disk cache "

@@ -60,3 +60,15 @@ def apply_heap_policy() -> bool:
         "heap policy: mmap threshold %d MiB, trim threshold %d MiB", MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20
     )
     return True
+
+
+def release_freed_memory() -> bool:
+    """Hand the memory that loading freed back to the system once (glibc's ``malloc_trim``): the policy's trim
+    threshold would keep up to 512 MiB of it mapped for steps that never need it (the copies a load makes of each
+    weight before the packed or huge-page copy it keeps). False where malloc is not glibc's."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    libc.malloc_trim(0)
+    return True

@@ -11,13 +11,14 @@ import torch
 from engine.config import VllmConfig
 from engine.devices import resolve_device
 from engine.distributed.parallel_state import destroy_model_parallel, init_model_parallel
+from engine.huge_pages import apply_huge_page_policy
 from engine.interfaces.base import SelectionContext
 from engine.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from engine.model.model_info import resolve_model
 from engine.plugins import get_plugin_manager
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.thread_policy import warn_if_not_in_effect
-from engine.worker.heap_policy import apply_heap_policy
+from engine.worker.heap_policy import apply_heap_policy, release_freed_memory
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Worker:
             warn_if_not_in_effect()
             if self.vllm_config.device.keep_freed_memory:
                 apply_heap_policy()
+            apply_huge_page_policy(self.vllm_config.device.huge_pages)
         torch.manual_seed(self.vllm_config.model.seed)
         init_model_parallel(
             self.rank,
@@ -101,6 +103,8 @@ class Worker:
             pooler,
         )
         self.model_runner.load_model()
+        if self.device.type == "cpu" and self.vllm_config.device.keep_freed_memory:
+            release_freed_memory()  # what loading freed, kept mapped by the heap policy's trim threshold
 
     @property
     def runner(self) -> ModelRunner:

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from engine.huge_pages import in_huge_pages
 from engine.model.quant_formats import FORMATS, QuantizedWeight
 from engine_attention_cpu.gemm import PANEL
 
@@ -67,7 +68,9 @@ def interleaved(weight: QuantizedWeight) -> tuple[torch.Tensor, Optional[torch.T
     if cached is None:
         data = weight.data.contiguous()
         scales = None if weight.scales is None else weight.scales.float().contiguous()
-        cached = tuple(_ops().interleave(data, scales, FORMAT_IDS[weight.format], weight.shape[1]))
+        copy = _ops().interleave(data, scales, FORMAT_IDS[weight.format], weight.shape[1])
+        # the step streams it from memory: in huge pages where the worker places weights there (engine.huge_pages)
+        cached = tuple(None if part is None else in_huge_pages(part) for part in copy)
         setattr(weight, INTERLEAVED_ATTRIBUTE, cached)
     return cached
 
