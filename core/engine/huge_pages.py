@@ -60,20 +60,15 @@ def huge_pages_available() -> bool:
 
 
 def apply_huge_page_policy(enabled: bool) -> bool:
-    """Place this process's streamed weights and KV cache in huge pages (``enabled``) or not; returns whether they
-    will be (False where the kernel offers none)."""
+    """Place this process's streamed quantized weights in huge pages (``enabled``) or not; returns whether they will
+    be (False where the kernel offers none)."""
     global _enabled
     _enabled = bool(enabled) and huge_pages_available()
     if enabled and not _enabled:
         logger.info(
-            "transparent huge pages unavailable (%s): weights and KV cache stay in 4 KiB pages",
+            "transparent huge pages unavailable (%s): the quantized weights stay in 4 KiB pages",
             transparent_huge_pages() or "no kernel setting",
         )
-    return _enabled
-
-
-def huge_page_policy() -> bool:
-    """Whether this process places its streamed tensors in huge pages."""
     return _enabled
 
 
