@@ -92,3 +92,39 @@ def test_kernels_on_the_pool_give_their_single_thread_bits_with_one_core_and_spi
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same bits 27" in done.stdout
+
+
+REBUILD_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from engine_attention_cpu import _gemm
+
+    W = torch.randn(49, 70)
+    PANELS = _gemm.pack_weight(W)
+    x = torch.randn(1, 70)
+    expected = x @ W.T
+    for i in range(3000):
+        torch.set_num_threads(2 + i % 2)  # each call rebuilds the pool: the last one's destructor joins its workers
+        out = _gemm.forward(x, PANELS, None, 49, -1)
+    torch.testing.assert_close(out, expected)
+    print("rebuilt", i + 1)
+    """
+)
+
+
+def test_a_pool_rebuilt_before_its_workers_start_still_joins_them():
+    """Found under pytest-xdist (two test processes on two cores): a test that changed torch's thread count between
+    products hung in the pool's destructor. The pool is rebuilt whenever the count changes; a worker that started only
+    after the destructor had raised the stop generation read that generation as the one it had seen, slept through
+    the wake up, and the destructor's join never returned. Here each product rebuilds the pool (a single row: no job
+    is run) while a spinning neighbour on every core makes new threads start late."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    neighbours = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
+    try:
+        done = subprocess.run([sys.executable, "-c", REBUILD_SCRIPT], capture_output=True, text=True, timeout=240)
+    finally:
+        for neighbour in neighbours:
+            neighbour.kill()
+            neighbour.wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rebuilt 3000" in done.stdout

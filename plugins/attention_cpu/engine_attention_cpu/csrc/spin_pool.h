@@ -87,7 +87,10 @@ class SpinPool {
   }
 
   void work() {
-    uint64_t seen = state_.load() & ~kLow;
+    // the generation the pool was built with (0), not the one this thread first reads: a thread that starts late (a
+    // busy machine) after a job or after the destructor must still see that generation change, or it would sleep
+    // through the destructor's wake up and its join would never return
+    uint64_t seen = 0;
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
       uint64_t current;
@@ -103,7 +106,7 @@ class SpinPool {
       if (current == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
         sleepers_.fetch_add(1);
-        wake_.wait(lock, [&] { return (state_.load() & ~kLow) != seen; });
+        wake_.wait(lock, [&] { return stop_.load() || (state_.load() & ~kLow) != seen; });
         sleepers_.fetch_sub(1);
         current = state_.load() & ~kLow;
       }
