@@ -43,9 +43,9 @@ DEFAULT_EXPERT_NAMES = ("mlp", ("gate_proj", "down_proj", "up_proj"))
 
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str):
-    import gguf
+    from engine.model.gguf_reader import FastGGUFReader
 
-    return gguf.GGUFReader(path)
+    return FastGGUFReader(path)
 
 
 def _field(reader, key, default=None):

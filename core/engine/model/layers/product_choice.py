@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from engine.disk_cache import engine_cache_dir
 from engine.model.layers.linear import PackedProduct, linear_layers
 from engine.model.quant_formats import quantize
 
@@ -160,8 +161,7 @@ def cpu_identity() -> dict:
 
 
 def cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "engine", "products")
+    return engine_cache_dir("products")
 
 
 def time_candidates(
