@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -69,7 +70,6 @@ def test_every_metadata_type_reads_as_gguf_py_reads_it(tmp_path):
     writer.add_array("t.floats", [0.5, -1.25, 3.1])
     writer.add_array("t.bools", [True, False, True])
     writer.add_array("t.nested", [[1, 2], [3]])  # an array of arrays: gguf-py's own parsing
-    writer.add_array("t.none", [])
     writer.add_key_value("t.u8s", [1, 2, 255], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT8)
     writer.add_key_value("t.u64s", [0, 2**64 - 1], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT64)
     writer.add_key_value("t.f64s", [1e-300, -2.5], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT64)
@@ -84,6 +84,29 @@ def test_every_metadata_type_reads_as_gguf_py_reads_it(tmp_path):
     writer.close()
     assert_readers_agree(path)
     assert FastGGUFReader(path).fields["t.strings"].contents() == ["a", "", "ñ", "🦀" * 40, " spaced "]
+
+
+def test_empty_arrays_read_as_gguf_py_reads_them(tmp_path):
+    """gguf-py's writer refuses empty arrays, but the format allows them (a length of 0): written by hand here."""
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    array, int32, string_type = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32, gguf.GGUFValueType.STRING
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 3)  # version, tensors, metadata pairs
+        + string("e.ints")
+        + struct.pack("<IIQ", array, int32, 0)
+        + string("e.strings")
+        + struct.pack("<IIQ", array, string_type, 0)
+        + string("e.after")
+        + struct.pack("<I", string_type)
+        + string("still read")
+    )
+    assert_readers_agree(path)
+    assert FastGGUFReader(path).fields["e.after"].contents() == "still read"
 
 
 @pytest.mark.slow  # the real SmolLM2 file: gguf-py takes seconds over its vocabulary

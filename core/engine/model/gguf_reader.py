@@ -66,10 +66,9 @@ class FastGGUFReader(GGUFReader):
                 if item_type == GGUFValueType.STRING or item_type in _STRUCT_CODES:
                     size, values = _read_array(buffer, offs + 12, item_type, int(self._get(offs + 4, np.uint64)[0]))
                     header = [key_len, key_data, raw_type, self._get(offs, np.uint32), self._get(offs + 4, np.uint64)]
-                    self._push_field(
-                        ArrayField(orig_offs, name, header, [GGUFValueType.ARRAY, item_type], values),  # type: ignore[arg-type]
-                        skip_sum=True,
-                    )
+                    # gguf-py takes an array's item type from its first item: an empty array has none
+                    types = [GGUFValueType.ARRAY, item_type] if values else [GGUFValueType.ARRAY]
+                    self._push_field(ArrayField(orig_offs, name, header, types, values), skip_sum=True)  # type: ignore[arg-type]
                     offs += 12 + size
                     continue
             # scalars, strings and arrays of arrays: gguf-py's own parsing (one view each, cheap)
