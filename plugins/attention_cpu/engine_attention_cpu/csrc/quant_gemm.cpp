@@ -71,6 +71,7 @@ struct X8Args {
   int64_t rows, ldq;
   float* out;
   int64_t ldo, n;         // n: the output columns kept (the last group's padding rows are not written)
+  const int32_t* x_words;  // one row: its nb * 8 words of xq each in 8 lanes, 32-byte aligned (broadcast_words)
 };
 
 static inline float half_to_float(const uint8_t* p) {
@@ -311,11 +312,24 @@ std::tuple<torch::Tensor, c10::optional<torch::Tensor>> interleave(torch::Tensor
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> xd, xs;
+  std::vector<int32_t> words;  // broadcast_words: 8 lanes a word, from the first multiple of 8 (32 bytes)
   void fill(const float* x, int64_t rows, int64_t k, int64_t nb) {
     xq.resize(rows * nb * kBlock);
     xd.resize(rows * nb);
     xs.resize(rows * nb);
     quantize_rows(x, rows, k, nb, xq.data(), xd.data(), xs.data());
+  }
+  // The first row's 32-bit words of xq, each repeated in the 8 lanes of a 256-bit vector: the one-row interleaved
+  // tiles load them instead of broadcasting every word once per weight group.
+  const int32_t* broadcast_words(int64_t nb) {
+    words.resize(nb * 8 * 8 + 8);
+    int32_t* aligned = words.data() + (-(reinterpret_cast<uintptr_t>(words.data()) / sizeof(int32_t)) & 7);
+    for (int64_t i = 0; i < nb * 8; ++i) {
+      int32_t word;
+      std::memcpy(&word, xq.data() + 4 * i, 4);
+      std::fill(aligned + 8 * i, aligned + 8 * i + 8, word);
+    }
+    return aligned;
   }
 };
 
@@ -344,7 +358,7 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optiona
     act.fill(x.data_ptr<float>(), rows, k, nb);
     X8Args q{static_cast<int>(format), data.data_ptr<uint8_t>(), nb,
              format == kI8 ? scales->data_ptr<float>() : nullptr, act.xq.data(), act.xd.data(), act.xs.data(), rows,
-             nb * kBlock, out.data_ptr<float>(), n, n};
+             nb * kBlock, out.data_ptr<float>(), n, n, rows == 1 ? act.broadcast_words(nb) : nullptr};
     engine_pool::parallel_stream(data.size(0), 8, [&](int64_t begin, int64_t end, int64_t stream_end) {
       if (variant == kAvx512Vnni) avx512vnni::run_groups(q, begin, end, stream_end);
       else avx2::run_groups(q, begin, end, stream_end);
