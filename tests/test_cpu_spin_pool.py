@@ -128,3 +128,40 @@ def test_a_pool_rebuilt_before_its_workers_start_still_joins_them():
             neighbour.wait()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rebuilt 3000" in done.stdout
+
+
+FORK_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import torch
+    from engine.model.quant_formats import quantize
+    from engine_attention_cpu import _quant
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    weight = _quant.interleave(quantize(torch.randn(960, 576, generator=g) * 0.05, "q4_1").data, None, 1, 576)[0]
+    x = torch.randn(1, 576, generator=g)
+    expected = _quant.forward(x, weight, None, 1, 1, None, 960)  # the parent's pool: one worker beside the caller
+    pid = os.fork()
+    if pid == 0:
+        before = threads()
+        out = _quant.forward(x, weight, None, 1, 1, None, 960)
+        # the child has none of its parent's threads: its first kernel must build its own pool, with its own worker
+        built = threads() == before + 1
+        os._exit(0 if built and torch.equal(out, expected) else 3)
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_forked_child_builds_its_own_pool():
+    """The pool notices a fork by a counter that a pthread_atfork handler raises in the child (getpid() on every kernel
+    call was a system call, 4% of a batch-1 decode step): the child's first kernel builds a pool whose worker exists
+    there, and gives the parent's bits."""
+    done = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child exit 0" in done.stdout, done.stdout + done.stderr[-3000:]

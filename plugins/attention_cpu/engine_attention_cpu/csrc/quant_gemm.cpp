@@ -59,6 +59,11 @@ struct QuantArgs {
   int64_t ldo;
 };
 
+// One 32-bit word of a row's xq (four of its int8 values) in each of a 256-bit vector's 8 lanes.
+struct alignas(32) BroadcastWord {
+  int32_t lanes[8];
+};
+
 // A product on the interleaved layout (interleave()): [groups][nb][x8 block bytes], groups of 8 weight rows.
 struct X8Args {
   int format;
@@ -71,7 +76,7 @@ struct X8Args {
   int64_t rows, ldq;
   float* out;
   int64_t ldo, n;         // n: the output columns kept (the last group's padding rows are not written)
-  const int32_t* x_words;  // one row: its nb * 8 words of xq each in 8 lanes, 32-byte aligned (broadcast_words)
+  const BroadcastWord* x_words;  // one row: its nb * 8 words of xq, each broadcast (QuantizedRows::broadcast_words)
 };
 
 static inline float half_to_float(const uint8_t* p) {
@@ -312,7 +317,7 @@ std::tuple<torch::Tensor, c10::optional<torch::Tensor>> interleave(torch::Tensor
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> xd, xs;
-  std::vector<int32_t> words;  // broadcast_words: 8 lanes a word, from the first multiple of 8 (32 bytes)
+  std::vector<BroadcastWord> words;
   void fill(const float* x, int64_t rows, int64_t k, int64_t nb) {
     xq.resize(rows * nb * kBlock);
     xd.resize(rows * nb);
@@ -321,15 +326,14 @@ struct QuantizedRows {
   }
   // The first row's 32-bit words of xq, each repeated in the 8 lanes of a 256-bit vector: the one-row interleaved
   // tiles load them instead of broadcasting every word once per weight group.
-  const int32_t* broadcast_words(int64_t nb) {
-    words.resize(nb * 8 * 8 + 8);
-    int32_t* aligned = words.data() + (-(reinterpret_cast<uintptr_t>(words.data()) / sizeof(int32_t)) & 7);
+  const BroadcastWord* broadcast_words(int64_t nb) {
+    words.resize(nb * 8);
     for (int64_t i = 0; i < nb * 8; ++i) {
       int32_t word;
       std::memcpy(&word, xq.data() + 4 * i, 4);
-      std::fill(aligned + 8 * i, aligned + 8 * i + 8, word);
+      std::fill(std::begin(words[i].lanes), std::end(words[i].lanes), word);
     }
-    return aligned;
+    return words.data();
   }
 };
 
