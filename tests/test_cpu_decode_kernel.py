@@ -46,14 +46,16 @@ def test_decode_kernel_matches_softmax_attention(num_heads, num_kv_heads, head_s
     from engine_attention_cpu import _C
 
     gen = torch.Generator().manual_seed(num_heads * 100 + head_size)
-    block_size, rows = 16, 5
-    lens = torch.tensor([1, 7, 16, 33, 150], dtype=torch.int32)
+    block_size = 16
+    # 600 and 257 run in parts of 256 positions (the last one short), merged by their softmax peaks and sums
+    lens = torch.tensor([1, 7, 16, 33, 150, 257, 600], dtype=torch.int32)
+    rows = len(lens)
     table, num_blocks = scattered_block_table(lens, block_size, gen)
     cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
     key_cache, value_cache = cache[0].transpose(1, 2), cache[1].transpose(1, 2)  # head-major, seen token-major
     q = torch.randn(rows, num_heads, head_size, generator=gen).to(dtype)
     scale = 1 / math.sqrt(head_size)
-    for window, cap in [(0, 0.0), (20, 0.0), (0, 5.0)]:
+    for window, cap in [(0, 0.0), (20, 0.0), (0, 5.0), (300, 0.0)]:
         out = torch.empty_like(q)
         _C.paged_decode_attention(out, q, key_cache, value_cache, table, lens, scale, cap, window)
         for row in range(rows):
@@ -122,7 +124,7 @@ def test_every_isa_variant_gives_the_avx2_variants_bits(head_size, value_size, d
         pytest.skip("neither AVX-512 nor the SIMDe build (cmeel-simde) is here")
     gen = torch.Generator().manual_seed(head_size)
     block_size, num_heads, num_kv_heads = 16, 6, 2
-    lens = torch.tensor([1, 9, 16, 47, 200], dtype=torch.int32)
+    lens = torch.tensor([1, 9, 16, 47, 200, 520], dtype=torch.int32)
     rows = len(lens)
     table, num_blocks = scattered_block_table(lens, block_size, gen)
     cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
@@ -138,6 +140,40 @@ def test_every_isa_variant_gives_the_avx2_variants_bits(head_size, value_size, d
                 out, q, key_cache, value_cache, table, lens, 0.125, cap, window, variant=variant
             )
             assert torch.equal(out, expected), (name, window, cap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_requests_bits_depend_neither_on_its_batch_nor_on_the_threads(dtype):
+    """A long context runs in parts (work items of their own, so that one request's KV heads spread over the
+    threads) merged by their softmax peaks and sums: the parts follow from the request's own length, never from the
+    batch around it, and the merge goes in part order whichever thread finished last. So a request alone, one in a
+    batch of others, and either on one thread, give the same bits (model.batch_invariant relies on it)."""
+    from engine_attention_cpu import _C
+
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads, head_size = 16, 9, 3, 64
+    lens = torch.tensor([255, 256, 257, 512, 513, 900, 3, 1200], dtype=torch.int32)
+    table, num_blocks = scattered_block_table(lens, block_size, gen)
+    cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
+    key_cache, value_cache = cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+    q = torch.randn(len(lens), num_heads, head_size, generator=gen).to(dtype)
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        out = torch.empty(len(rows), num_heads, head_size, dtype=dtype)
+        _C.paged_decode_attention(out, q[rows], key_cache, value_cache, table[rows], lens[rows], 0.125, 0.0, 0)
+        return out
+
+    batch = attend(list(range(len(lens))))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = attend(list(range(len(lens))))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, batch)
+    for row in range(len(lens)):
+        assert torch.equal(attend([row])[0], batch[row]), int(lens[row])
+    assert torch.equal(attend([7, 5, 0])[1], batch[5])
 
 
 def test_a_variant_the_cpu_lacks_is_refused():

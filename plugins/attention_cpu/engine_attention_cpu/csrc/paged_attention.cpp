@@ -1,8 +1,9 @@
 // Paged decode attention for the CPU: one query token per request, read straight from the paged
 // KV cache (no gathered copy), GQA-aware (each K/V row is loaded once for all query heads that share
 // it), causal, with an optional sliding window and logit soft-capping. Softmax and accumulation in
-// float32 whatever the cache dtype. Work is split over (request, KV head) items, longest first, each
-// taken by a free thread; the next block's rows are prefetched, and the softmax exponentials are vectorised.
+// float32 whatever the cache dtype. Work is split over (request, KV head, part of the context) items, longest first,
+// each taken by a free thread, a long context's parts merged by their softmax peaks and sums; the next block's rows
+// are prefetched, and the softmax exponentials are vectorised.
 #include <torch/extension.h>
 
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -89,17 +91,22 @@ void weigh_rows(float* out, const float* p, const scalar_t* cache, const int32_t
   });
 }
 
-// Attention of G consecutive query heads (sharing one KV head) of one request: q and acc hold G rows.
-// acc holds G rows of v_size (the value rows may be narrower than the key rows: MLA's latent cache serves as both,
-// its values being the first v_size columns).
+// Attention of G consecutive query heads (sharing one KV head) of one request over its positions [first, last):
+// q and acc hold G rows. acc holds G rows of v_size (the value rows may be narrower than the key rows: MLA's latent
+// cache serves as both, its values being the first v_size columns).
+// With peaks and sums (a part of a longer context), the weights are left unnormalised: acc = sum exp(s - peak) v,
+// each head's peak and sum of weights in peaks[g] and sums[g], for merge_parts.
 template <int G, typename scalar_t>
 void attend_heads(float* acc, float* scores, const float* q, const scalar_t* keys, const scalar_t* values,
                   const int32_t* table, int64_t block_size, int64_t kc_block, int64_t kc_tok, int64_t vc_block,
                   int64_t vc_tok, int64_t first, int64_t last, int64_t head_size, int64_t v_size, float scale,
-                  float cap) {
+                  float cap, float* peaks = nullptr, float* sums = nullptr) {
   const int64_t n = last - first;
   score_rows<G>(scores, q, keys, table, block_size, kc_block, kc_tok, first, last, head_size, scale, cap);
-  for (int g = 0; g < G; ++g) softmax(scores + g * n, n);
+  for (int g = 0; g < G; ++g) {
+    if (peaks) sums[g] = exp_from_max(scores + g * n, n, peaks + g);
+    else softmax(scores + g * n, n);
+  }
   weigh_rows<G>(acc, scores, values, table, block_size, vc_block, vc_tok, first, last, v_size);
 }
 
@@ -110,6 +117,37 @@ void attend_heads(float* acc, float* scores, const float* q, const scalar_t* key
 #undef ENGINE_VARIANT_SOURCE
 
 constexpr int64_t kSerialWork = 1 << 15;  // context tokens x query heads x head size
+
+// A request's context is attended in parts of at most kPartTokens positions, each part a work item of its own, and
+// the parts merged by their softmax peaks and sums (as vLLM's PagedAttention v2 partitions a long context). Without
+// parts a batch of one request has as many items as KV heads (3 for SmolLM2), and on 2 threads the third ran alone
+// while the other thread waited: a third of the attention's time. The parts of a request follow from its own length
+// alone, never from the batch around it, so a request's bits do not depend on the batch (model.batch_invariant).
+constexpr int64_t kPartTokens = 256;
+
+// out[g] = the parts' unnormalised rows acc_j[g] weighed by exp(peak_j[g] - peak) / sum_j exp(peak_j[g] - peak)
+// sums_j[g], in part order (the same bits whichever thread ran which part).
+template <typename scalar_t>
+void merge_parts(scalar_t* out, int64_t o_head, const float* acc, const float* peaks, const float* sums,
+                 int64_t parts, int64_t heads, int64_t v_size, int64_t acc_stride, int64_t stat_stride) {
+  std::vector<float> weight(parts), row(v_size);
+  for (int64_t g = 0; g < heads; ++g) {
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < parts; ++j) peak = std::max(peak, peaks[j * stat_stride + g]);
+    float total = 0.f;
+    for (int64_t j = 0; j < parts; ++j) {
+      weight[j] = std::exp(peaks[j * stat_stride + g] - peak);
+      total += weight[j] * sums[j * stat_stride + g];
+    }
+    std::fill(row.begin(), row.end(), 0.f);
+    for (int64_t j = 0; j < parts; ++j) {
+      const float w = weight[j] / total;
+      const float* a = acc + j * acc_stride + g * v_size;
+      for (int64_t d = 0; d < v_size; ++d) row[d] += w * a[d];
+    }
+    for (int64_t d = 0; d < v_size; ++d) out[g * o_head + d] = static_cast<scalar_t>(row[d]);
+  }
+}
 
 template <typename scalar_t>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
@@ -144,60 +182,100 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   // the vector variants take head and value sizes that are multiples of 16, the portable loops any other
   const bool vectors = head_size % 16 == 0 && v_size % 16 == 0;
 
-  // (request, KV head, chunk of heads) items, longest first, each taken by whichever thread is free: request
-  // lengths vary tenfold, and an even split of the item range would leave one thread waiting for the other; a
-  // request with few KV heads (one, under MLA) still spreads over the threads by its chunks of query heads
-  const int64_t num_items = num_rows * num_kv_heads * num_chunks;
-  const int64_t items_per_row = num_kv_heads * num_chunks;
-  std::vector<int64_t> order(num_items);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lens_ptr[a / items_per_row] > lens_ptr[b / items_per_row];
-  });
+  // (request, KV head, chunk of heads, part of the context) items, longest first, each taken by whichever thread is
+  // free: request lengths vary tenfold, and an even split of the item range would leave one thread waiting for the
+  // other; a request with few KV heads (one, under MLA) still spreads over the threads by its chunks of query heads
+  // and its parts. A split request's (KV head, chunk) is a "split": its parts' unnormalised rows go to a scratch
+  // slot each, and the thread that finishes its last part merges them.
+  struct Item {
+    int64_t row, kv_head, chunk, first, last, split, slot;  // split and slot -1 for a request in one part
+  };
+  std::vector<Item> items;
+  struct Split {
+    int64_t first_slot, parts;
+  };
+  std::vector<Split> splits;
+  int64_t context = 0, slots = 0;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t seq_len = lens_ptr[r];
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+    const int64_t parts = (seq_len - first + kPartTokens - 1) / kPartTokens;
+    context += seq_len - first;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        if (parts <= 1) {
+          items.push_back({r, h, c, first, seq_len, -1, -1});
+          continue;
+        }
+        const int64_t split = static_cast<int64_t>(splits.size());
+        splits.push_back({slots, parts});
+        for (int64_t j = 0; j < parts; ++j)
+          items.push_back({r, h, c, first + j * kPartTokens, std::min(seq_len, first + (j + 1) * kPartTokens), split,
+                           slots++});
+      }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.last - a.first > b.last - b.first; });
+  // each slot: 3 heads' unnormalised rows, peaks and sums (kept per thread: a decode step calls this once a layer)
+  const int64_t acc_stride = 3 * v_size, stat_stride = 3;
+  thread_local std::vector<float> part_acc, part_peaks, part_sums;
+  part_acc.resize(slots * acc_stride);
+  part_peaks.resize(slots * stat_stride);
+  part_sums.resize(slots * stat_stride);
+  std::unique_ptr<std::atomic<int64_t>[]> parts_left(new std::atomic<int64_t>[splits.size()]);
+  for (size_t s = 0; s < splits.size(); ++s) parts_left[s].store(splits[s].parts, std::memory_order_relaxed);
+  float* const acc_base = part_acc.data();
+  float* const peaks_base = part_peaks.data();
+  float* const sums_base = part_sums.data();
+
+  const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next_item{0};
   // one thread when the whole step is a few microseconds of work: waking another would cost more
-  int64_t context = 0;
-  for (int64_t r = 0; r < num_rows; ++r) context += lens_ptr[r];
   const int64_t threads = context * num_heads * head_size < kSerialWork ? 1 : at::get_num_threads();
   // on the spin pool, not OpenMP: this runs between the step's products, which keep the pool's workers awake
   engine_pool::run_shared(std::min<int64_t>(threads, num_items), [&] {
-    std::vector<float> q(3 * head_size), acc(3 * v_size), scores;
+    std::vector<float> q(3 * head_size), whole(3 * v_size), scores;
     for (int64_t taken = next_item++; taken < num_items; taken = next_item++) {
-      const int64_t item = order[taken];
-      const int64_t row = item / items_per_row;
-      const int64_t kv_head = item % items_per_row / num_chunks;
-      const int64_t chunk = item % num_chunks;
-      const int64_t seq_len = lens_ptr[row];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-      scores.resize(3 * (seq_len - first));
-      const int32_t* table = table_ptr + row * table_row;
-      const scalar_t* keys = k_ptr + kv_head * kc_head;
-      const scalar_t* values = v_ptr + kv_head * vc_head;
-      const int64_t heads = group / num_chunks + (chunk < group % num_chunks ? 1 : 0);
-      const int64_t head = kv_head * group + chunk * (group / num_chunks) + std::min(chunk, group % num_chunks);
+      const Item& item = items[taken];
+      scores.resize(3 * (item.last - item.first));
+      const int32_t* table = table_ptr + item.row * table_row;
+      const scalar_t* keys = k_ptr + item.kv_head * kc_head;
+      const scalar_t* values = v_ptr + item.kv_head * vc_head;
+      const int64_t heads = group / num_chunks + (item.chunk < group % num_chunks ? 1 : 0);
+      const int64_t head = item.kv_head * group + item.chunk * (group / num_chunks) +
+                           std::min(item.chunk, group % num_chunks);
       for (int64_t g = 0; g < heads; ++g) {
-        const scalar_t* src = q_ptr + row * q_tok + (head + g) * q_head;
+        const scalar_t* src = q_ptr + item.row * q_tok + (head + g) * q_head;
         for (int64_t d = 0; d < head_size; ++d) q[g * head_size + d] = as_float(src[d]);
       }
+      const bool part = item.split >= 0;
+      float* acc = part ? acc_base + item.slot * acc_stride : whole.data();
+      float* peaks = part ? peaks_base + item.slot * stat_stride : nullptr;
+      float* sums = part ? sums_base + item.slot * stat_stride : nullptr;
       auto attend = [&](auto heads_constant) {
         constexpr int G = decltype(heads_constant)::value;
 #ifdef ENGINE_AVX2
         if (vectors) {
           (variant == kVariantAvx512 ? avx512::attend_heads<G, scalar_t> : avx2::attend_heads<G, scalar_t>)(
-              acc.data(), scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok, vc_block,
-              vc_tok, first, seq_len, head_size, v_size, fscale, fcap);
+              acc, scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok, vc_block, vc_tok,
+              item.first, item.last, head_size, v_size, fscale, fcap, peaks, sums);
           return;
         }
 #endif
-        attend_heads<G>(acc.data(), scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok,
-                        vc_block, vc_tok, first, seq_len, head_size, v_size, fscale, fcap);
+        attend_heads<G>(acc, scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok, vc_block,
+                        vc_tok, item.first, item.last, head_size, v_size, fscale, fcap, peaks, sums);
       };
       if (heads == 3) attend(std::integral_constant<int, 3>{});
       else if (heads == 2) attend(std::integral_constant<int, 2>{});
       else attend(std::integral_constant<int, 1>{});
-      for (int64_t g = 0; g < heads; ++g) {
-        scalar_t* dst = out_ptr + row * o_tok + (head + g) * o_head;
-        for (int64_t d = 0; d < v_size; ++d) dst[d] = static_cast<scalar_t>(acc[g * v_size + d]);
+      scalar_t* dst = out_ptr + item.row * o_tok + head * o_head;
+      if (!part) {
+        for (int64_t g = 0; g < heads; ++g)
+          for (int64_t d = 0; d < v_size; ++d) dst[g * o_head + d] = static_cast<scalar_t>(acc[g * v_size + d]);
+      } else if (parts_left[item.split].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the last part: merge
+        const Split& s = splits[item.split];
+        merge_parts(dst, o_head, acc_base + s.first_slot * acc_stride, peaks_base + s.first_slot * stat_stride,
+                    sums_base + s.first_slot * stat_stride, s.parts, heads, v_size, acc_stride, stat_stride);
       }
     }
   });

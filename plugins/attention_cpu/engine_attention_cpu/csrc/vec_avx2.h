@@ -115,11 +115,18 @@ inline float exp_shifted(float* p, int64_t n, float peak) {
   return total;
 }
 
+// In place: p[i] = exp(p[i] - max(p)) for i < n, a softmax left unnormalised (attention over a part of a context,
+// merged with the other parts' later); the maximum in *peak, returns the sum.
+inline float exp_from_max(float* p, int64_t n, float* peak) {
+  *peak = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) *peak = std::max(*peak, p[i]);
+  return exp_shifted(p, n, *peak);
+}
+
 // In place: p = softmax(p[0:n]).
 inline void softmax(float* p, int64_t n) {
-  float peak = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, p[i]);
-  const float inv = 1.f / exp_shifted(p, n, peak);
+  float peak;
+  const float inv = 1.f / exp_from_max(p, n, &peak);
   for (int64_t j = 0; j < n; ++j) p[j] *= inv;
 }
 
