@@ -53,6 +53,19 @@ def test_backend_matches_reference(backend_name, block_size, heads, variant, dty
     check_backend(backend, device, block_size, *heads, variant, dtype)
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16-cache", "fp16-cache"])
+def test_a_16_bit_cache_under_float32_queries_matches_the_reference(backend_name, cache_dtype):
+    """cache.kv_cache_dtype: each backend that declares a 16-bit cache under a float32 model (its
+    ``supported_kv_cache_dtypes``) rounds the new rows into it and attends over the rounded rows in float32."""
+    backend = backend_or_skip(backend_name, "cpu")
+    if cache_dtype not in backend.supported_kv_cache_dtypes:
+        pytest.skip(f"{backend_name} keeps no {cache_dtype} cache under a float32 model")
+    heads = (6, 2)
+    for variant in ("plain",) if backend_name == "triton" else ("plain", "window", "softcap"):  # triton: interpreted
+        check_backend(backend, "cpu", 16, *heads, variant, torch.float32, cache_dtype=cache_dtype)
+
+
 def test_plugins_table_on_this_machine():
     from engine.interfaces.base import SelectionContext
 

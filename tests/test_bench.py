@@ -497,10 +497,23 @@ def test_llama_bench_peer_reads_pp_and_tg_and_refuses_bad_paths(tmp_path):
         "prompt_tok_s_ratio": 2.0,
         "decode_tok_s_ratio": 0.5,
     }
+    run_llama_bench(str(fake), str(model), 512, 128, threads=2, repetitions=3, depth=1536)
+    assert (tmp_path / "args").read_text().split()[-2:] == ["-d", "1536"]  # --depth: llama-bench's n_depth
     with pytest.raises(ValueError, match="--peer-binary"):
         run_llama_bench(str(tmp_path / "missing"), str(model), 512, 128, 2)
     with pytest.raises(ValueError, match="GGUF"):
         run_llama_bench(str(fake), str(fake), 512, 128, 2)
+
+
+def test_single_stream_after_a_context_runs_pp_and_tg_past_it(tiny_llama):
+    """--depth N: the engine's pp and tg after an N-token context, as llama-bench's -d measures them (both sides
+    then decode over the same KV-cache length)."""
+    from engine_bench.single_stream import run_single_stream
+
+    overrides = {"model": {"model": tiny_llama, "max_model_len": 256}, "cache": {"kv_cache_memory": "32MiB"}}
+    result = run_single_stream(overrides, input_len=24, output_len=6, iterations=2, depth=96)
+    assert result["prompt_tok_s"] > 0 and result["decode_tok_s"] > 0
+    assert len(result["prompt_runs"]) == len(result["decode_runs"]) == 2
 
 
 def test_chat_workload_resends_each_conversations_history_turn_by_turn():

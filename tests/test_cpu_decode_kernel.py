@@ -188,3 +188,53 @@ def test_a_variant_the_cpu_lacks_is_refused():
             _C.paged_decode_attention(
                 torch.empty_like(q), q, cache[0], cache[1], table, lens, 0.1, 0.0, 0, variant=variant
             )
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16-cache", "fp16-cache"])
+@pytest.mark.parametrize("head_size", [64, 48], ids=["vector", "portable"])
+def test_a_16_bit_cache_under_float32_queries_reads_as_its_float32_widening(cache_dtype, head_size):
+    """cache.kv_cache_dtype: float32 queries over a bfloat16 or float16 cache. The kernel widens each row as it
+    reads it and runs the float32 path's sums, so its output is, bit for bit, the float32 kernel's over the same
+    rows widened to float32; and write_kv_cache rounds float32 rows into the cache as torch's .to() does. Every ISA
+    variant (and the AVX-512 one over SIMDe) agrees."""
+    from engine_attention_cpu import _C
+
+    gen = torch.Generator().manual_seed(head_size)
+    block_size, num_heads, num_kv_heads = 16, 9, 3
+    lens = torch.tensor([1, 16, 33, 257, 600], dtype=torch.int32)
+    table, num_blocks = scattered_block_table(lens, block_size, gen)
+    cache = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_size, dtype=cache_dtype)
+    key_cache, value_cache = cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+    # every position's K/V through write_kv_cache (float32 rows, rounded into the 16-bit cache)
+    positions = [torch.arange(n) for n in lens.tolist()]
+    slots = torch.cat([table[r, p // block_size].long() * block_size + p % block_size for r, p in enumerate(positions)])
+    keys = torch.randn(len(slots), num_kv_heads, head_size, generator=gen)
+    values = torch.randn(len(slots), num_kv_heads, head_size, generator=gen)
+    _C.write_kv_cache(key_cache, value_cache, keys, values, slots)
+    flat_keys = key_cache.reshape(-1, num_kv_heads, head_size)[slots]
+    assert torch.equal(flat_keys, keys.to(cache_dtype))
+    assert torch.equal(value_cache.reshape(-1, num_kv_heads, head_size)[slots], values.to(cache_dtype))
+
+    widened = cache.float()
+    wide_keys, wide_values = widened[0].transpose(1, 2), widened[1].transpose(1, 2)
+    q = torch.randn(len(lens), num_heads, head_size, generator=gen)
+    for window, cap in [(0, 0.0), (20, 0.0), (0, 5.0), (300, 0.0)]:
+        expected = torch.empty_like(q)
+        _C.paged_decode_attention(expected, q, wide_keys, wide_values, table, lens, 0.125, cap, window)
+        for name, module, variant in _attention_modules():
+            out = torch.empty_like(q)
+            module.paged_decode_attention(out, q, key_cache, value_cache, table, lens, 0.125, cap, window, variant)
+            assert torch.equal(out, expected), (name, window, cap)
+
+
+def test_mixed_dtypes_other_than_a_16_bit_cache_under_float32_queries_are_refused():
+    from engine_attention_cpu import _C
+
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    wide = torch.zeros(2, 1, 16, 1, 64)
+    q = torch.randn(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16 / float16 under float32 queries"):
+        _C.paged_decode_attention(torch.empty_like(q), q, wide[0], wide[1], table, lens, 0.125, 0.0, 0)
+    with pytest.raises(RuntimeError, match="bfloat16 / float16 for float32 rows"):
+        rows = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+        _C.write_kv_cache(wide[0], wide[1], rows, rows, torch.zeros(1, dtype=torch.int64))

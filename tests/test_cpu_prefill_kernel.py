@@ -176,6 +176,38 @@ def test_every_isa_variant_gives_the_avx2_variants_bits(head_size, dtype):
                 assert torch.equal(out, expected), (name, num_tokens, context_len, window, cap)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16-cache", "fp16-cache"])
+def test_a_16_bit_cache_under_float32_queries_reads_as_its_float32_widening(cache_dtype):
+    """cache.kv_cache_dtype: the kernel packs a 16-bit cache's rows as float32, so a float32 chunk over it gives the
+    float32 kernel's bits over the same rows widened, in every ISA variant."""
+    from engine_attention_cpu import _C
+
+    if not vector_build():
+        pytest.skip("the prefill kernel needs a build with vector variants")
+    gen = torch.Generator().manual_seed(3)
+    for num_tokens, context_len in [(45, 0), (29, 270)]:
+        query, key_cache, value_cache, block_ids = paged_case(gen, num_tokens, context_len, 9, 3, 64, torch.float32)
+        narrow_keys, narrow_values = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
+        for window, cap in [(0, 0.0), (20, 0.0), (0, 5.0)]:
+            expected = run(
+                _C, query, narrow_keys.float(), narrow_values.float(), block_ids, context_len, 0.125, cap, window
+            )
+            for name, module, variant in _prefill_modules():
+                out = run(
+                    module,
+                    query,
+                    narrow_keys,
+                    narrow_values,
+                    block_ids,
+                    context_len,
+                    0.125,
+                    cap,
+                    window,
+                    variant=variant,
+                )
+                assert torch.equal(out, expected), (name, num_tokens, context_len, window, cap)
+
+
 def test_bad_arguments_are_refused():
     from engine_attention_cpu import _C
 

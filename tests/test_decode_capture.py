@@ -61,12 +61,13 @@ def _eager_and_captured(model, prompts, max_tokens, seed=None, **settings):
         dict(dtype="float32"),
         dict(dtype="bfloat16"),
         dict(dtype="float32", quantization="int8"),
+        dict(dtype="float32", kv_cache_dtype="float16"),  # float32 rows written into, and read from, a 16-bit cache
         dict(dtype="float32", async_scheduling=True),
         dict(
             dtype="float32", num_gpu_blocks_override=14, max_model_len=128, max_num_batched_tokens=32
         ),  # preemption, chunked prompts
     ],
-    ids=["float32", "bfloat16", "int8", "async", "preemption"],
+    ids=["float32", "bfloat16", "int8", "fp16-kv-cache", "async", "preemption"],
 )
 def test_captured_decode_gives_the_eager_bits(tiny_llama, settings):
     # 11 requests: the first decode steps hold more than the single-row bucket's 8 rows (the decode bucket's graph),

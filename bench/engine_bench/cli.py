@@ -171,6 +171,13 @@ def add_bench_parser(sub) -> None:
         help="single stream as llama-bench measures it: the engine's prompt (pp, --input-len tokens) and "
         "generation (tg, --output-len tokens) speed beside llama-bench's on --peer-model",
     )
+    lat.add_argument(
+        "--depth",
+        type=int,
+        default=0,
+        help="with --compare-peer llama.cpp: pp and tg after a context of this many tokens (llama-bench's -d), "
+        "where the KV cache's reads (cache.kv_cache_dtype) show",
+    )
     lat.add_argument("--peer-binary", help="llama-bench (../shared/bench/build_llama_cpp.sh builds it)")
     lat.add_argument("--peer-model", help="the GGUF file llama-bench runs (the engine's --model by default)")
     _neighbour_flag(lat)
@@ -745,11 +752,17 @@ def cmd_latency_against_llama_cpp(args) -> int:
         readings.append(_in_fresh_process(measure_bandwidth))
         for label, overrides in variants:
             results[label] = _in_fresh_process(
-                run_single_stream, {**base, **overrides}, args.input_len, args.output_len, args.iterations
+                run_single_stream, {**base, **overrides}, args.input_len, args.output_len, args.iterations, args.depth
             )  # its own peak memory
             readings.append(_in_fresh_process(measure_bandwidth))
         peer = run_llama_bench(
-            args.peer_binary, peer_model, args.input_len, args.output_len, threads, repetitions=args.iterations
+            args.peer_binary,
+            peer_model,
+            args.input_len,
+            args.output_len,
+            threads,
+            repetitions=args.iterations,
+            depth=args.depth,
         )
         readings.append(_in_fresh_process(measure_bandwidth))
     bandwidth = combine_readings(readings)
@@ -763,6 +776,7 @@ def cmd_latency_against_llama_cpp(args) -> int:
         "benchmark": "latency-single-stream",
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "depth": args.depth,
         "threads": threads,
         "bandwidth": bandwidth,
         "engine": results,
@@ -777,7 +791,9 @@ def cmd_latency_against_llama_cpp(args) -> int:
         sides = {**{f"engine {k}": v for k, v in results.items()}, "llama.cpp": peer}
         grouped_bar_plot(
             args.plot,
-            [f"pp{args.input_len}", f"tg{args.output_len}"],
+            [f"pp{args.input_len}", f"tg{args.output_len}"]
+            if not args.depth
+            else [f"pp{args.input_len} @ d{args.depth}", f"tg{args.output_len} @ d{args.depth}"],
             {name: [side.get("prompt_tok_s", 0.0), side.get("decode_tok_s", 0.0)] for name, side in sides.items()},
             "tokens/s",
             f"single stream, {threads} threads, {torch.backends.cpu.get_cpu_capability()}",

@@ -14,15 +14,20 @@ from engine_bench.peers import run_watched
 from engine_bench.stats import peak_rss_mib
 
 
-def run_single_stream(overrides: dict[str, Any], input_len: int, output_len: int, iterations: int) -> dict:
+def run_single_stream(
+    overrides: dict[str, Any], input_len: int, output_len: int, iterations: int, depth: int = 0
+) -> dict:
     """The engine's pp (tokens/s of an ``input_len`` prompt, to its first token) and tg (tokens/s of ``output_len``
-    greedy tokens after a 16-token prompt, the prompt's time taken out), the median of ``iterations`` runs."""
+    greedy tokens after a 16-token prompt, the prompt's time taken out), the median of ``iterations`` runs. With
+    ``depth`` (llama-bench's ``-d``), both run after a context of ``depth`` tokens: pp is the prompt's tokens over the
+    time they add to the context's, tg the tokens after the context (the context's own time taken out)."""
     from engine import LLM, SamplingParams
     from engine_bench.workloads import random_workload
 
     llm = LLM(**overrides)
-    long_prompt = {"prompt_token_ids": random_workload(1, input_len, 1)[0].prompt}
-    short_prompt = {"prompt_token_ids": random_workload(1, 16, 1, seed=1)[0].prompt}
+    context = random_workload(1, depth, 1, seed=2)[0].prompt if depth else []
+    long_prompt = {"prompt_token_ids": context + random_workload(1, input_len, 1)[0].prompt}
+    short_prompt = {"prompt_token_ids": context or random_workload(1, 16, 1, seed=1)[0].prompt}
 
     def timed(prompt, max_tokens: int) -> float:
         llm.reset_prefix_cache()
@@ -38,8 +43,10 @@ def run_single_stream(overrides: dict[str, Any], input_len: int, output_len: int
     timed(short_prompt, 8)  # warm-up: first-call allocations
     pp, tg = [], []
     for _ in range(iterations):
-        pp.append(input_len / timed(long_prompt, 1))
-        tg.append(output_len / max(1e-9, timed(short_prompt, output_len + 1) - timed(short_prompt, 1)))
+        first_token = timed(short_prompt, 1)
+        prompt_time = timed(long_prompt, 1) - (first_token if depth else 0.0)
+        pp.append(input_len / max(1e-9, prompt_time))
+        tg.append(output_len / max(1e-9, timed(short_prompt, output_len + 1) - first_token))
     llm.shutdown()
     return {
         "prompt_tok_s": round(statistics.median(pp), 1),
@@ -59,9 +66,10 @@ def run_llama_bench(
     threads: int,
     repetitions: int = 5,
     timeout_s: float = 1800,
+    depth: int = 0,
 ) -> dict:
-    """``llama-bench -m model -t threads -p input_len -n output_len -r repetitions -o jsonl``: its pp and tg tokens/s
-    (mean over its repetitions) and the peak resident memory of its process."""
+    """``llama-bench -m model -t threads -p input_len -n output_len -r repetitions -o jsonl`` (and ``-d depth``): its
+    pp and tg tokens/s (mean over its repetitions) and the peak resident memory of its process."""
     for path, flag in ((binary, "--peer-binary"), (model, "--peer-model")):
         if not path or not os.path.exists(path):
             raise ValueError(f"{flag}: {path!r} does not exist")
@@ -81,6 +89,7 @@ def run_llama_bench(
         str(repetitions),
         "-o",
         "jsonl",
+        *(["-d", str(depth)] if depth else []),
     ]
     lines, peak = run_watched(command, timeout_s=timeout_s, poll_s=0.2)
     rows = [json.loads(line) for line in lines]

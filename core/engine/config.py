@@ -124,6 +124,12 @@ class CacheConfig(_Section):
         None, gt=0, description="number of KV blocks, overriding the memory budget"
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="the KV cache's dtype; auto = the model's. A 16-bit cache under a float32 model holds twice the "
+        "tokens in the same memory and halves the bytes a decode step reads of its context (llama.cpp keeps float16 "
+        "K/V by default); attention still computes in float32 (vLLM's --kv-cache-dtype)",
+    )
     kv_cache_coordinator: str = plugin_choice("kv_cache_coordinator")
 
     @field_validator("block_size")

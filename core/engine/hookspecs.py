@@ -23,7 +23,7 @@ import pluggy
 _Spec = TypeVar("_Spec", bound=Callable[..., Any])
 
 PROJECT_NAME = "engine"
-CONTRACT_VERSION = "1.16"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
+CONTRACT_VERSION = "1.17"  # 1.1 added register_models, 1.2 engine_layer_kernels, 1.3 tensor views for
 # logits processors and samplers (1.x ones run through adapters, engine.interfaces.legacy), 1.4
 # engine_quantization_methods and LayerKernels.quantized_product_candidates, 1.5
 # LayerKernels.capture_decode_step, 1.6 engine_spec_proposers, 1.7 engine_structured_output_backends and
@@ -35,7 +35,7 @@ CONTRACT_VERSION = "1.16"  # 1.1 added register_models, 1.2 engine_layer_kernels
 # batched LoRA product) and engine_lora_resolvers, 1.14 LayerKernels.add_lora's out_slices (B's zero blocks in a merged
 # layer, for kernels that skip them) and CapturedDecodeStep.takes_lora_steps, 1.15 engine_poolers and the encoder-only
 # attention type (AttentionBackend.supports_encoder_only, AttentionImpl.forward_encoder_only), 1.16
-# engine_reasoning_parsers
+# engine_reasoning_parsers, 1.17 AttentionBackend.supported_kv_cache_dtypes (cache.kv_cache_dtype)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

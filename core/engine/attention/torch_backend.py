@@ -38,7 +38,8 @@ class TorchAttentionImpl(AttentionImpl):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool = False
     ) -> torch.Tensor:
-        """q [B, Hq, n, D], k/v [B, Hkv, L, D] -> [B, Hq, n, D]."""
+        """q [B, Hq, n, D], k/v [B, Hkv, L, D] (in q's dtype or a narrower cache's) -> [B, Hq, n, D]."""
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if self.logits_soft_cap is None:
             return F.scaled_dot_product_attention(
                 q,
@@ -67,11 +68,20 @@ class TorchAttentionImpl(AttentionImpl):
             value.view(num_tokens, self.num_kv_heads, self.head_size),
         )
 
+    @staticmethod
+    def as_cached(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New K/V as the cache holds them (rounded to a narrower cache.kv_cache_dtype), so a prompt attends to the
+        same keys and values as the tokens decoded after it."""
+        if kv_cache.dtype == k.dtype:
+            return k, v
+        return k.to(kv_cache.dtype).to(k.dtype), v.to(kv_cache.dtype).to(v.dtype)
+
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchAttentionMetadata):
         num_tokens = attn_metadata.num_actual_tokens
         head, kv_heads = self.head_size, self.num_kv_heads
         q, k, v = self.split_heads(query, key, value, num_tokens)
         write_to_paged_cache(k, v, kv_cache, attn_metadata.slot_mapping)
+        k, v = self.as_cached(k, v, kv_cache)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, Hkv, D]
         output = torch.empty_like(q)
 
@@ -133,6 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     priority = 0
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the numerics oracle
+    supported_kv_cache_dtypes = (torch.bfloat16, torch.float16)
     supports_encoder_only = True
 
     @staticmethod

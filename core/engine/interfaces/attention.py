@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 import torch
 
 from engine.interfaces.base import Pluggable, SelectionContext
+
+if TYPE_CHECKING:
+    from engine.model.model_info import ModelInfo
+
+_KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``cache.kv_cache_dtype`` as a torch dtype: ``auto`` is the model's."""
+    return model_dtype if requested == "auto" else _KV_CACHE_DTYPES[requested]
 
 
 @dataclass
@@ -149,6 +159,9 @@ class AttentionBackend(Pluggable):
     """
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    # cache dtypes (cache.kv_cache_dtype) this backend stores and reads under a float32 model, besides float32 itself;
+    # every backend takes a cache of the model's own dtype
+    supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
     supported_head_sizes: ClassVar[Optional[tuple[int, ...]]] = None  # None: any
     supported_block_sizes: ClassVar[Optional[tuple[int, ...]]] = None
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
@@ -191,6 +204,22 @@ class AttentionBackend(Pluggable):
         return []
 
     @classmethod
+    def kv_cache_dtype_reason(cls, requested: str, info: ModelInfo) -> Optional[str]:
+        """Why this backend cannot keep the model's K/V in ``requested`` (cache.kv_cache_dtype); None: it can."""
+        cache_dtype = resolve_kv_cache_dtype(requested, info.dtype)
+        if cache_dtype == info.dtype:
+            return None
+        name = f"cache.kv_cache_dtype={requested} under a {info.dtype_name} model"
+        if info.dtype != torch.float32:
+            return f"{name} unsupported (a 16-bit cache needs a float32 model; auto keeps the model's dtype)"
+        if info.use_mla:
+            return f"{name} unsupported: an MLA latent cache keeps the model's dtype"
+        if cache_dtype not in cls.supported_kv_cache_dtypes:
+            kept = ", ".join(str(d).removeprefix("torch.") for d in (torch.float32, *cls.supported_kv_cache_dtypes))
+            return f"{name} unsupported (supports {kept})"
+        return None
+
+    @classmethod
     def unavailable_reasons(cls, ctx: SelectionContext) -> list[str]:
         reasons = list(cls.library_reasons())
         if ctx.device not in cls.supported_devices:
@@ -202,6 +231,9 @@ class AttentionBackend(Pluggable):
         if info is not None:
             if info.dtype not in cls.supported_dtypes:
                 reasons.append(f"dtype {info.dtype} unsupported")
+            reason = cls.kv_cache_dtype_reason(ctx.config.cache.kv_cache_dtype, info)
+            if reason:
+                reasons.append(reason)
             if info.use_mla:
                 if cls.get_mla_impl_cls() is None:
                     reasons.append(f"MLA (multi-head latent attention) unsupported: {cls.mla_unsupported_reason}")

@@ -12,7 +12,7 @@ import torch
 from engine.config import ConfigError, ModelConfig
 from engine.forward_context import set_forward_context
 from engine.hookspecs import hookimpl
-from engine.interfaces.attention import CommonAttentionMetadata
+from engine.interfaces.attention import CommonAttentionMetadata, resolve_kv_cache_dtype
 from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.model.layers.attention import Attention
 from engine.model.loader import load_model
@@ -84,8 +84,13 @@ class DraftModelProposer(Proposer):
                 f"speculative.draft_model: {spec.draft_model} has sliding-window layers; the draft "
                 "model's cache is one full-attention group"
             )
+        requested = self.vllm_config.cache.kv_cache_dtype
+        reason = backend.kv_cache_dtype_reason(requested, info)
+        if reason:
+            raise ConfigError(f"cache.kv_cache_dtype: the draft model {spec.draft_model}: {reason}")
+        cache_dtype = resolve_kv_cache_dtype(requested, info.dtype)
         first = layers[0]
-        block_bytes = 2 * self.block_size * first.num_kv_heads * first.head_size * info.dtype.itemsize * len(layers)
+        block_bytes = 2 * self.block_size * first.num_kv_heads * first.head_size * cache_dtype.itemsize * len(layers)
         num_blocks = spec.draft_kv_cache_memory // block_bytes
         needed = -(-target.max_model_len // self.block_size)
         if num_blocks < needed:
@@ -97,7 +102,7 @@ class DraftModelProposer(Proposer):
         shape = backend.get_kv_cache_shape(num_blocks, self.block_size, first.num_kv_heads, first.head_size)
         for layer in layers:
             layer.bind(backend, self.vllm_config.attention.options)
-            layer.kv_cache = torch.zeros(shape, dtype=info.dtype, device=self.device)
+            layer.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
             layer.kv_cache_group = 0
         self.builder = backend.get_builder_cls()(self.vllm_config.attention.options, self.device, self.block_size, None)
         self.builder.batch_invariant = self.vllm_config.model.batch_invariant

@@ -108,12 +108,19 @@ def check_backend(
     variant: str,
     dtype: torch.dtype,
     head_size: int = 64,
+    cache_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """AssertionError unless ``backend`` gives the reference's outputs on the case and writes the new K/V
-    into their cache slots."""
+    into their cache slots. ``cache_dtype`` (cache.kv_cache_dtype, a 16-bit cache under float32 queries): the cache
+    holds every K/V row rounded to it, the new rows must land rounded as torch's ``.to`` rounds, and the outputs must
+    be the reference's over the rounded rows at float32's tolerance."""
     sliding_window, soft_cap = VARIANTS[variant]
     backend_name = backend.name
-    case = make_case(block_size + num_heads, block_size, num_heads, num_kv_heads, head_size, dtype, device)
+    cache_dtype = cache_dtype or dtype
+    case = make_case(block_size + num_heads, block_size, num_heads, num_kv_heads, head_size, cache_dtype, device)
+    if cache_dtype != dtype:  # attention reads the rows as the cache holds them
+        case["k_full"] = [k.to(cache_dtype).float() for k in case["k_full"]]
+        case["v_full"] = [v.to(cache_dtype).float() for v in case["v_full"]]
     canonical = case["cache"].shape  # [2, blocks, block_size, kv_heads, head_size]
     layout = backend.get_kv_cache_shape(canonical[1], block_size, num_kv_heads, head_size)
     head_major = layout == (canonical[0], canonical[1], num_kv_heads, block_size, head_size)
@@ -141,7 +148,9 @@ def check_backend(
     slots = case["common"].slot_mapping.to(device)
     key_cache = case["cache"][0].transpose(1, 2) if head_major else case["cache"][0]
     cached_k = key_cache.reshape(-1, num_kv_heads, head_size)[slots]
-    torch.testing.assert_close(cached_k.float().cpu(), case["k"].to(dtype).float())
+    if cache_dtype != dtype:
+        assert torch.equal(cached_k.cpu(), case["k"].to(cache_dtype)), f"{backend_name}: new keys not rounded as .to"
+    torch.testing.assert_close(cached_k.float().cpu(), case["k"].to(dtype).to(cache_dtype).float())
 
 
 MLA_DIMS = dict(kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=16)

@@ -16,7 +16,7 @@ import torch
 from engine.config import VllmConfig
 from engine.distributed.parallel_state import get_pp_group, get_tp_group
 from engine.forward_context import set_forward_context
-from engine.interfaces.attention import CommonAttentionMetadata
+from engine.interfaces.attention import CommonAttentionMetadata, resolve_kv_cache_dtype
 from engine.interfaces.layer_kernels import CapturedDecodeStep, DecodeCaptureUnsupported, LayerKernels
 from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.pooler import Pooler, PoolingBatch
@@ -162,10 +162,15 @@ class ModelRunner:
         """MoE models: tokens routed to each expert since start, per MoE layer of this rank (empty when dense)."""
         return expert_load(self.loaded_model)
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What the attention layers' caches hold (cache.kv_cache_dtype; auto: the model's dtype)."""
+        return resolve_kv_cache_dtype(self.vllm_config.cache.kv_cache_dtype, self.model_info.dtype)
+
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in self.attention_layers.items():
-            shape = (self.block_size, layer.num_kv_heads, layer.head_size, self.model_info.dtype)
+            shape = (self.block_size, layer.num_kv_heads, layer.head_size, self.kv_cache_dtype)
             if isinstance(layer, MLAAttention):
                 specs[name] = MLAAttentionSpec(*shape)
             elif layer.sliding_window:

@@ -141,6 +141,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
                 )
                 output[idx] = decoded
         if self._prefill is None:  # head sizes the tiles do not take, builds without vector variants, prefill=sdpa
+            k, v = self.as_cached(k, v, kv_cache)
             self.attend_prefills(q, k, v, kv_cache[0], kv_cache[1], attn_metadata.prefills, output)
             return output.view(num_tokens, self.num_heads * head)
         for chunk in attn_metadata.prefills:
@@ -204,6 +205,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     priority = 10
     supported_devices = ("cpu",)
+    supported_kv_cache_dtypes = (torch.bfloat16, torch.float16)  # the kernels read 16-bit rows under float32 queries
     batch_invariant_unsupported_reason = None  # every token through the decode kernel: one pass per (row, KV head)
     supports_encoder_only = True  # TorchAttentionImpl's: SDPA over each run of equal-length prompts
 

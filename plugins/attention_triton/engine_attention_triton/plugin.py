@@ -90,9 +90,11 @@ class TritonAttentionImpl(AttentionImpl):
         tokens = attn_metadata.num_actual_tokens
         head, kv_heads = self.head_size, self.num_kv_heads
         q = query.view(tokens, self.num_heads, head)
-        k = key.view(tokens, kv_heads, head)
-        v = value.view(tokens, kv_heads, head)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, Hkv, D]
+        # a narrower cache (cache.kv_cache_dtype) gets rows rounded by torch, to nearest even on every device (the
+        # interpreter's bfloat16 store truncates)
+        k = key.view(tokens, kv_heads, head).to(key_cache.dtype)
+        v = value.view(tokens, kv_heads, head).to(value_cache.dtype)
         block_d = triton.next_power_of_2(head)
         block_size = key_cache.shape[1]
         self.kernels.reshape_and_cache_kernel[(tokens, kv_heads)](
@@ -205,6 +207,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     priority = 20
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supported_kv_cache_dtypes = (torch.bfloat16, torch.float16)  # rows rounded by torch, loads widen to float32
     supported_block_sizes = (8, 16, 32, 64, 128)
 
     @classmethod

@@ -41,3 +41,16 @@ def test_mla_matches_the_reference(attention_name, block_size, dtype):
     if dtype not in backend.supported_dtypes:
         pytest.skip(f"{backend.name} does not support {dtype}")
     check_mla_backend(backend, device, block_size, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16-cache", "fp16-cache"])
+def test_a_16_bit_cache_under_float32_queries_matches_the_reference(attention_name, cache_dtype):
+    """A backend that declares a 16-bit cache under float32 models (``supported_kv_cache_dtypes``, for
+    cache.kv_cache_dtype) rounds new rows into it as torch's ``.to`` does and attends over the rounded rows."""
+    backend = implementation("attention", attention_name).cls
+    if cache_dtype not in backend.supported_kv_cache_dtypes or torch.float32 not in backend.supported_dtypes:
+        pytest.skip(f"{backend.name} keeps no {cache_dtype} cache under a float32 model")
+    device = (
+        "cuda" if torch.cuda.is_available() and "cuda" in getattr(backend, "supported_devices", ("cuda",)) else "cpu"
+    )
+    check_backend(backend, device, 16, 6, 2, "plain", torch.float32, cache_dtype=cache_dtype)

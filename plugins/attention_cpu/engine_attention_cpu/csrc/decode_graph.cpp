@@ -24,7 +24,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "lanes16.h"  // before paged_attention.cpp, which includes it inside a namespace below
+#include "cache_dtypes.h"  // before paged_attention.cpp, which includes them inside a namespace below
+#include "lanes16.h"
 #include "spin_pool.h"
 #include "vec_avx2.h"
 

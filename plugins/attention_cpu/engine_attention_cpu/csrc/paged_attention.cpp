@@ -14,10 +14,10 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
+#include "cache_dtypes.h"
 #include "float_variants.h"
 #include "lanes16.h"
 #include "spin_pool.h"
@@ -149,7 +149,9 @@ void merge_parts(scalar_t* out, int64_t o_head, const float* acc, const float* p
   }
 }
 
-template <typename scalar_t>
+// scalar_t: the query's and the output's dtype; cache_t: the caches' (the query's, or a 16-bit cache under float32
+// queries: cache.kv_cache_dtype). Scores, softmax and sums run in float32 either way.
+template <typename scalar_t, typename cache_t>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const torch::Tensor& block_table,
                            const torch::Tensor& seq_lens, double scale, double soft_cap, int64_t sliding_window,
@@ -163,8 +165,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   const int64_t group = num_heads / num_kv_heads;
 
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int32_t* table_ptr = block_table.data_ptr<int32_t>();
   const int32_t* lens_ptr = seq_lens.data_ptr<int32_t>();
@@ -239,8 +241,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
       const Item& item = items[taken];
       scores.resize(3 * (item.last - item.first));
       const int32_t* table = table_ptr + item.row * table_row;
-      const scalar_t* keys = k_ptr + item.kv_head * kc_head;
-      const scalar_t* values = v_ptr + item.kv_head * vc_head;
+      const cache_t* keys = k_ptr + item.kv_head * kc_head;
+      const cache_t* values = v_ptr + item.kv_head * vc_head;
       const int64_t heads = group / num_chunks + (item.chunk < group % num_chunks ? 1 : 0);
       const int64_t head = item.kv_head * group + item.chunk * (group / num_chunks) +
                            std::min(item.chunk, group % num_chunks);
@@ -256,7 +258,7 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
         constexpr int G = decltype(heads_constant)::value;
 #ifdef ENGINE_AVX2
         if (vectors) {
-          (variant == kVariantAvx512 ? avx512::attend_heads<G, scalar_t> : avx2::attend_heads<G, scalar_t>)(
+          (variant == kVariantAvx512 ? avx512::attend_heads<G, cache_t> : avx2::attend_heads<G, cache_t>)(
               acc, scores.data(), q.data(), keys, values, table, block_size, kc_block, kc_tok, vc_block, vc_tok,
               item.first, item.last, head_size, v_size, fscale, fcap, peaks, sums);
           return;
@@ -304,46 +306,63 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_table and seq_lens must be int32");
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, out and caches must share a dtype");
   // by default the widest variant, or the portable loops where the build has no vector variant
   TORCH_CHECK(variant < 0 || engine_cpu::cpu_has_variant(variant), "this CPU lacks the instructions of attention "
               "variant ", variant);
   const int64_t chosen = variant < 0 ? engine_cpu::default_variant() : variant;
-  AT_DISPATCH_SWITCH(query.scalar_type(), "paged_decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_table, seq_lens, scale, soft_cap, sliding_window, chosen); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_table, seq_lens, scale, soft_cap, sliding_window, chosen); })
-    AT_DISPATCH_CASE(at::kHalf, [&] { decode_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_table, seq_lens, scale, soft_cap, sliding_window, chosen); }));
+  auto run = [&](auto query_type, auto cache_type) {
+    decode_attention_impl<decltype(query_type), decltype(cache_type)>(out, query, key_cache, value_cache, block_table,
+                                                                      seq_lens, scale, soft_cap, sliding_window, chosen);
+  };
+  engine_cpu::dispatch_cache_dtypes(out, query, key_cache, value_cache, run);
 }
 
 // key/value [tokens, Hkv, D] into key_cache/value_cache [blocks, block_size, Hkv, D] (strided views with a contiguous
 // head dimension) at slot_mapping [tokens] int64 (block * block_size + offset; negative slots are skipped): one call
-// per layer instead of two indexed assignments.
+// per layer instead of two indexed assignments. float32 rows go into a bfloat16 or float16 cache rounded.
 void write_kv_cache(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
                     torch::Tensor slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key_cache.dim() == 4 &&
                   value_cache.sizes() == key_cache.sizes(), "key/value [tokens, kv_heads, D], caches 4-D");
   TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), "head counts or sizes differ");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(), "key, value and caches must share a dtype");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "key and value must share a dtype, and so must the caches");
+  const bool convert = key.scalar_type() != key_cache.scalar_type();
+  TORCH_CHECK(!convert || (key.scalar_type() == torch::kFloat32 && (key_cache.scalar_type() == torch::kBFloat16 ||
+                                                                    key_cache.scalar_type() == torch::kHalf)),
+              "the caches must hold the rows' dtype, or bfloat16 / float16 for float32 rows");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "the head dimension must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0), "slot_mapping: int64, one per token");
   const int64_t tokens = key.size(0), heads = key.size(1), block_size = key_cache.size(1);
   const int64_t num_slots = key_cache.size(0) * block_size;
-  const int64_t bytes = key.size(2) * key.element_size(), elem = key.element_size();
+  const int64_t head_size = key.size(2), elem = key.element_size(), cache_elem = key_cache.element_size();
+  const int64_t bytes = head_size * elem;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   struct Side { const char* src; char* dst; int64_t src_tok, src_head, dst_block, dst_tok, dst_head; };
   const Side sides[2] = {
       {static_cast<const char*>(key.data_ptr()), static_cast<char*>(key_cache.data_ptr()), key.stride(0) * elem,
-       key.stride(1) * elem, key_cache.stride(0) * elem, key_cache.stride(1) * elem, key_cache.stride(2) * elem},
+       key.stride(1) * elem, key_cache.stride(0) * cache_elem, key_cache.stride(1) * cache_elem,
+       key_cache.stride(2) * cache_elem},
       {static_cast<const char*>(value.data_ptr()), static_cast<char*>(value_cache.data_ptr()), value.stride(0) * elem,
-       value.stride(1) * elem, value_cache.stride(0) * elem, value_cache.stride(1) * elem,
-       value_cache.stride(2) * elem}};
+       value.stride(1) * elem, value_cache.stride(0) * cache_elem, value_cache.stride(1) * cache_elem,
+       value_cache.stride(2) * cache_elem}};
+  // a float32 row into a 16-bit cache: rounded to nearest even, as torch's .to() rounds
+  const auto copy_row = [&](char* dst, const char* src) {
+    if (!convert) {
+      std::memcpy(dst, src, bytes);
+      return;
+    }
+    const float* from = reinterpret_cast<const float*>(src);
+    if (key_cache.scalar_type() == torch::kBFloat16) {
+      c10::BFloat16* to = reinterpret_cast<c10::BFloat16*>(dst);
+      for (int64_t d = 0; d < head_size; ++d) to[d] = c10::BFloat16(from[d]);
+    } else {
+      c10::Half* to = reinterpret_cast<c10::Half*>(dst);
+      for (int64_t d = 0; d < head_size; ++d) to[d] = c10::Half(from[d]);
+    }
+  };
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0) continue;
@@ -351,8 +370,8 @@ void write_kv_cache(torch::Tensor key_cache, torch::Tensor value_cache, torch::T
     const int64_t block = slot / block_size, offset = slot % block_size;
     for (const Side& side : sides)
       for (int64_t h = 0; h < heads; ++h)
-        std::memcpy(side.dst + block * side.dst_block + offset * side.dst_tok + h * side.dst_head,
-                    side.src + t * side.src_tok + h * side.src_head, bytes);
+        copy_row(side.dst + block * side.dst_block + offset * side.dst_tok + h * side.dst_head,
+                 side.src + t * side.src_tok + h * side.src_head);
   }
 }
 

@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache_dtypes.h"
 #include "float_variants.h"
 #include "lanes16.h"
 #include "spin_pool.h"
@@ -91,7 +92,9 @@ void pack_transposed(float* kt, int64_t ldk, int64_t n, int64_t head_size, const
   }
 }
 
-template <typename scalar_t>
+// scalar_t: the query's and the output's dtype; cache_t: the caches' (the query's, or bfloat16 / float16 under float32
+// queries). The keys and values are packed as float32 either way.
+template <typename scalar_t, typename cache_t>
 void prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_ids, int64_t context_len,
                             double scale, double soft_cap, int64_t sliding_window, int64_t variant) {
@@ -100,8 +103,8 @@ void prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query, cons
   const int64_t v_size = value_cache.size(3), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t* blocks = block_ids.data_ptr<int64_t>();
   const int64_t q_tok = query.stride(0), q_head = query.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
@@ -148,13 +151,13 @@ void prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query, cons
         const int64_t j0 = c * kKeysPerChunk, keys = std::min(kKeysPerChunk, hi - j0);
         float* kt = keys_of(kv_head, c);
         float* v = values_of(kv_head, c);
-        pack_transposed<scalar_t>(kt, kKeysPerChunk, keys, head_size, [&](int64_t j) {
+        pack_transposed<cache_t>(kt, kKeysPerChunk, keys, head_size, [&](int64_t j) {
           const int64_t block = blocks[(j0 + j) / block_size], offset = (j0 + j) % block_size;
           return k_ptr + block * kc_block + offset * kc_tok + kv_head * kc_head;
         });
         for (int64_t j = 0; j < keys; ++j) {
           const int64_t block = blocks[(j0 + j) / block_size], offset = (j0 + j) % block_size;
-          const scalar_t* value = v_ptr + block * vc_block + offset * vc_tok + kv_head * vc_head;
+          const cache_t* value = v_ptr + block * vc_block + offset * vc_tok + kv_head * vc_head;
           for (int64_t d = 0; d < v_size; d += 8) _mm256_storeu_ps(v + j * v_size + d, load8(value + d));
         }
         for (int64_t d = 0; d < head_size; ++d)
@@ -253,17 +256,14 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
               "block_ids must be a contiguous int64 vector");
   TORCH_CHECK(context_len >= 0 && block_ids.size(0) * key_cache.size(1) >= context_len + query.size(0),
               "block_ids must cover the context and the chunk");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(), "query, out and caches must share a dtype");
   TORCH_CHECK(engine_cpu::cpu_has_variant(variant < 0 ? engine_cpu::default_variant() : variant),
               "this CPU lacks the instructions of attention variant ", variant);
   if (query.size(0) == 0) return;
   const int64_t chosen = variant < 0 ? engine_cpu::default_variant() : variant;
-  AT_DISPATCH_SWITCH(query.scalar_type(), "paged_prefill_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { prefill_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_ids, context_len, scale, soft_cap, sliding_window, chosen); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { prefill_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_ids, context_len, scale, soft_cap, sliding_window, chosen); })
-    AT_DISPATCH_CASE(at::kHalf, [&] { prefill_attention_impl<scalar_t>(out, query, key_cache, value_cache,
-        block_ids, context_len, scale, soft_cap, sliding_window, chosen); }));
+  auto run = [&](auto query_type, auto cache_type) {
+    prefill_attention_impl<decltype(query_type), decltype(cache_type)>(out, query, key_cache, value_cache, block_ids,
+                                                                       context_len, scale, soft_cap, sliding_window,
+                                                                       chosen);
+  };
+  engine_cpu::dispatch_cache_dtypes(out, query, key_cache, value_cache, run);
 }
