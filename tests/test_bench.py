@@ -474,11 +474,13 @@ def test_llama_bench_peer_reads_pp_and_tg_and_refuses_bad_paths(tmp_path):
         'echo \'{"build_commit": "abc", "model_type": "llama Q4_1", "n_prompt": 512, "n_gen": 0, '
         '"avg_ts": 200.0}\'\n'
         'echo \'{"build_commit": "abc", "model_type": "llama Q4_1", "n_prompt": 0, "n_gen": 128, '
-        '"avg_ts": 50.0}\'\n'
+        '"avg_ts": 50.0, "type_k": "f16", "type_v": "f16"}\'\n'
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     peer = run_llama_bench(str(fake), str(model), 512, 128, threads=2, repetitions=3)
     assert (peer["prompt_tok_s"], peer["decode_tok_s"], peer["build"]) == (200.0, 50.0, "abc")
+    # its cache types, and the mean context a generated token attends (no depth: half the 129 positions)
+    assert (peer["type_k"], peer["type_v"], peer["tg_mean_positions"]) == ("f16", "f16", 64.5)
     assert (tmp_path / "args").read_text().split() == [
         "-m",
         str(model),
@@ -497,8 +499,9 @@ def test_llama_bench_peer_reads_pp_and_tg_and_refuses_bad_paths(tmp_path):
         "prompt_tok_s_ratio": 2.0,
         "decode_tok_s_ratio": 0.5,
     }
-    run_llama_bench(str(fake), str(model), 512, 128, threads=2, repetitions=3, depth=1536)
+    deep = run_llama_bench(str(fake), str(model), 512, 128, threads=2, repetitions=3, depth=1536)
     assert (tmp_path / "args").read_text().split()[-2:] == ["-d", "1536"]  # --depth: llama-bench's n_depth
+    assert deep["tg_mean_positions"] == 1536 + 64.5
     with pytest.raises(ValueError, match="--peer-binary"):
         run_llama_bench(str(tmp_path / "missing"), str(model), 512, 128, 2)
     with pytest.raises(ValueError, match="GGUF"):
@@ -514,6 +517,29 @@ def test_single_stream_after_a_context_runs_pp_and_tg_past_it(tiny_llama):
     result = run_single_stream(overrides, input_len=24, output_len=6, iterations=2, depth=96)
     assert result["prompt_tok_s"] > 0 and result["decode_tok_s"] > 0
     assert len(result["prompt_runs"]) == len(result["decode_runs"]) == 2
+    # the K/V bytes a context position takes, as the cache holds them (a bfloat16 cache: half of float32's)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama)
+    kv_heads, head_size = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * kv_heads * head_size * 2 * 4
+    assert result["kv_bytes_per_position"] == per_position and result["tg_mean_positions"] == 96 + 3.5
+    narrow = {**overrides, "model": {**overrides["model"], "dtype": "float32"}, "cache": {**overrides["cache"]}}
+    narrow["cache"]["kv_cache_dtype"] = "bfloat16"
+    assert run_single_stream(narrow, 8, 2, 1)["kv_bytes_per_position"] == per_position // 2
+
+
+def test_the_bound_with_the_kv_cache_counts_the_contexts_rows():
+    """At depth the bound counts each token's K/V reads too: llama.cpp's float16 rows of SmolLM2 take 30 layers x 3
+    KV heads x 64 x (2 + 2) bytes a position."""
+    from engine.model.model_info import default_model_path
+    from engine_bench.bandwidth import gguf_kv_bytes_per_position, kv_shares
+
+    assert gguf_kv_bytes_per_position(default_model_path(), "f16", "f16") == 30 * 3 * 64 * 4
+    assert gguf_kv_bytes_per_position(default_model_path(), "q8_0", "q8_0") is None
+    shares = kv_shares(50.0, 1_000_000, 1_000, 1_000.0, {"read_gb_s": 2.0})
+    assert shares["kv_bytes_per_token"] == 1_000_000
+    assert shares["bandwidth_bound_with_kv_tok_s"] == 1000.0 and shares["share_of_bandwidth_with_kv"] == 0.05
 
 
 def test_chat_workload_resends_each_conversations_history_turn_by_turn():

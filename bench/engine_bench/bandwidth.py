@@ -11,6 +11,8 @@ so ``read bandwidth / bytes read per token`` is the most tokens/s any engine can
 - ``model_bytes_per_token``: what a loaded model's products read per decode token (packed blocks where the weights
   stay quantized, the float weights otherwise; the LM head included, the embedding's one row not).
 - ``gguf_bytes_per_token``: the same for a GGUF file as llama.cpp runs it (every tensor its products read).
+- ``kv_shares``: the bound counted with the KV cache's bytes too (each decode token reads its context's K/V once),
+  for single streams after a long context (``engine bench latency --depth``), where those bytes are no longer small.
 """
 
 from __future__ import annotations
@@ -122,4 +124,38 @@ def decode_shares(decode_tok_s: float, bytes_per_token: int, bandwidth: dict[str
         "bytes_per_token": bytes_per_token,
         "bandwidth_bound_tok_s": round(bound, 1),
         "share_of_bandwidth": round(decode_tok_s / bound, 3),
+    }
+
+
+# bytes per element of the KV-cache types llama-bench reports (type_k / type_v); quantized caches are not counted
+LLAMA_CPP_KV_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def gguf_kv_bytes_per_position(path: str, type_k: str, type_v: str) -> int | None:
+    """Bytes of K and V one context position takes in llama.cpp for a GGUF file (all layers), from its cache types;
+    None for a quantized cache type."""
+    if type_k not in LLAMA_CPP_KV_ELEMENT_BYTES or type_v not in LLAMA_CPP_KV_ELEMENT_BYTES:
+        return None
+    from engine.model.gguf_file import gguf_to_hf_config
+
+    config = gguf_to_hf_config(path)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_layer = kv_heads * head_size * (LLAMA_CPP_KV_ELEMENT_BYTES[type_k] + LLAMA_CPP_KV_ELEMENT_BYTES[type_v])
+    return int(config.num_hidden_layers * per_layer)
+
+
+def kv_shares(
+    decode_tok_s: float, bytes_per_token: int, kv_bytes_per_position: int, positions: float, bandwidth: dict[str, Any]
+) -> dict[str, Any]:
+    """The bound with the KV cache counted: a token attending ``positions`` context positions (the mean over a run)
+    reads ``positions * kv_bytes_per_position`` bytes of K/V besides the weights."""
+    kv_bytes = kv_bytes_per_position * positions
+    bound = bandwidth["read_gb_s"] * 1e9 / (bytes_per_token + kv_bytes)
+    return {
+        "kv_bytes_per_position": kv_bytes_per_position,
+        "kv_bytes_per_token": int(kv_bytes),
+        "bandwidth_bound_with_kv_tok_s": round(bound, 1),
+        "share_of_bandwidth_with_kv": round(decode_tok_s / bound, 3),
     }

@@ -738,7 +738,14 @@ def cmd_latency_against_llama_cpp(args) -> int:
     import torch
 
     from engine.model.model_info import default_model_path
-    from engine_bench.bandwidth import combine_readings, decode_shares, gguf_bytes_per_token, measure_bandwidth
+    from engine_bench.bandwidth import (
+        combine_readings,
+        decode_shares,
+        gguf_bytes_per_token,
+        gguf_kv_bytes_per_position,
+        kv_shares,
+        measure_bandwidth,
+    )
     from engine_bench.offline import _in_fresh_process
     from engine_bench.single_stream import compare, run_llama_bench, run_single_stream
 
@@ -770,8 +777,22 @@ def cmd_latency_against_llama_cpp(args) -> int:
         result.update(compare(result, peer))
         if result.get("bytes_per_token"):
             result.update(decode_shares(result["decode_tok_s"], result["bytes_per_token"], bandwidth))
+            if result.get("kv_bytes_per_position"):
+                result.update(
+                    kv_shares(
+                        result["decode_tok_s"],
+                        result["bytes_per_token"],
+                        result["kv_bytes_per_position"],
+                        result["tg_mean_positions"],
+                        bandwidth,
+                    )
+                )
     if peer.get("decode_tok_s"):
-        peer.update(decode_shares(peer["decode_tok_s"], gguf_bytes_per_token(peer_model), bandwidth))
+        peer_bytes = gguf_bytes_per_token(peer_model)
+        peer.update(decode_shares(peer["decode_tok_s"], peer_bytes, bandwidth))
+        kv_position = gguf_kv_bytes_per_position(peer_model, str(peer.get("type_k")), str(peer.get("type_v")))
+        if kv_position:
+            peer.update(kv_shares(peer["decode_tok_s"], peer_bytes, kv_position, peer["tg_mean_positions"], bandwidth))
     report = {
         "benchmark": "latency-single-stream",
         "input_len": args.input_len,

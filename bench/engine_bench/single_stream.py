@@ -40,6 +40,13 @@ def run_single_stream(
 
     model = inspect(llm).model
     bytes_per_token = model_bytes_per_token(model) if model is not None else None
+    runner = inspect(llm).model_runner
+    # K and V bytes one context position takes in all attention layers (as the cache holds them: kv_cache_dtype)
+    kv_bytes_per_position = (
+        sum(spec.page_size_bytes // spec.block_size for spec in runner.get_kv_cache_spec().values() if _attention(spec))
+        if runner is not None
+        else None
+    )
     timed(short_prompt, 8)  # warm-up: first-call allocations
     pp, tg = [], []
     for _ in range(iterations):
@@ -55,7 +62,17 @@ def run_single_stream(
         "decode_runs": [round(v, 1) for v in tg],
         "peak_rss_mib": peak_rss_mib(),
         "bytes_per_token": bytes_per_token,
+        "kv_bytes_per_position": kv_bytes_per_position,
+        # the mean context a generated token attends (after the 16-token prompt, or after the depth)
+        "tg_mean_positions": (depth or len(short_prompt["prompt_token_ids"])) + (output_len + 1) / 2,
     }
+
+
+def _attention(spec) -> bool:
+    """A KV-cache spec of attention (K/V rows per position), not a Mamba layer's constant state."""
+    from engine.kv_cache.spec import FullAttentionSpec
+
+    return isinstance(spec, FullAttentionSpec)
 
 
 def run_llama_bench(
@@ -99,6 +116,10 @@ def run_llama_bench(
             result["prompt_tok_s"] = round(float(row["avg_ts"]), 1)
         elif row.get("n_gen") and not row.get("n_prompt"):
             result["decode_tok_s"] = round(float(row["avg_ts"]), 1)
+            result["tg_mean_positions"] = depth + (output_len + 1) / 2
+        for cache_type in ("type_k", "type_v"):  # its KV cache's types (f16 unless told)
+            if row.get(cache_type):
+                result.setdefault(cache_type, row[cache_type])
         result.setdefault("build", row.get("build_commit"))
         result.setdefault("model_type", row.get("model_type"))
     return result
