@@ -85,6 +85,9 @@ def test_settings_that_cannot_keep_a_narrower_cache_are_refused_with_the_key(tin
     # a 16-bit cache under a 16-bit model of the other kind: the kernels read a float32 model's queries only
     with pytest.raises(ConfigError, match=r"kv_cache_dtype=float16 under a bfloat16 model"):
         LLM(tiny_llama, dtype="bfloat16", kv_cache_dtype="float16")
+    # a float32 cache under a 16-bit model would only widen what the model computes
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype=float32 under a bfloat16 model unsupported: a wider cache"):
+        LLM(tiny_llama, dtype="bfloat16", kv_cache_dtype="float32")
     # an unknown dtype names the key and the choices
     with pytest.raises(ConfigError, match=r"kv_cache_dtype(.|\n)*'auto', 'float32', 'bfloat16' or 'float16'"):
         LLM(tiny_llama, kv_cache_dtype="fp8")

@@ -80,8 +80,10 @@ class TorchAttentionImpl(AttentionImpl):
         num_tokens = attn_metadata.num_actual_tokens
         head, kv_heads = self.head_size, self.num_kv_heads
         q, k, v = self.split_heads(query, key, value, num_tokens)
-        write_to_paged_cache(k, v, kv_cache, attn_metadata.slot_mapping)
-        k, v = self.as_cached(k, v, kv_cache)
+        # rounded once: the cache takes the narrow rows as they are, the prompt attends to them widened
+        k_cached, v_cached = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        write_to_paged_cache(k_cached, v_cached, kv_cache, attn_metadata.slot_mapping)
+        k, v = k_cached.to(k.dtype), v_cached.to(v.dtype)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, Hkv, D]
         output = torch.empty_like(q)
 

@@ -210,8 +210,10 @@ class AttentionBackend(Pluggable):
         if cache_dtype == info.dtype:
             return None
         name = f"cache.kv_cache_dtype={requested} under a {info.dtype_name} model"
+        if info.dtype != torch.float32 and cache_dtype == torch.float32:
+            return f"{name} unsupported: a wider cache than the model's K/V (auto keeps the model's dtype)"
         if info.dtype != torch.float32:
-            return f"{name} unsupported (a 16-bit cache needs a float32 model; auto keeps the model's dtype)"
+            return f"{name} unsupported: a 16-bit cache needs a float32 model (auto keeps the model's dtype)"
         if info.use_mla:
             return f"{name} unsupported: an MLA latent cache keeps the model's dtype"
         if cache_dtype not in cls.supported_kv_cache_dtypes:
