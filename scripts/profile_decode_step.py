@@ -13,6 +13,10 @@ decode step where the layer kernels made one (``--enforce-eager`` to time the ea
 
     python scripts/profile_decode_step.py [--dtype float32] [--steps-json out.json]
     python scripts/profile_decode_step.py --num-requests 1 --quantization gguf [--enforce-eager]  # one stream
+    python scripts/profile_decode_step.py --num-requests 1 --quantization gguf --phases  # + the captured step's phases
+
+``--phases``: the captured step's time by phase (norms, each product, RoPE, KV write, attention, activation), in
+milliseconds per decode step over the measured steps, as ``phases`` (the ``cpu`` layer kernels' graph only).
 
 Run it against another checkout of the engine with PYTHONPATH=<checkout>/core to compare before/after.
 """
@@ -60,6 +64,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6, help="0: greedy (as `engine bench latency` decodes)")
     parser.add_argument("--enforce-eager", action="store_true", help="time the eager model, not the captured step")
     parser.add_argument("--steps-json", help="also write every measured step")
+    parser.add_argument("--prompt-len", type=int, default=128, help="16: as `engine bench latency`'s tg (depth 0)")
+    parser.add_argument("--phases", action="store_true", help="the captured step's time by phase (cpu kernels)")
     args = parser.parse_args()
 
     llm = LLM(
@@ -124,7 +130,7 @@ def main() -> None:
     scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
     generator = torch.Generator().manual_seed(0)
     prompts = [
-        {"prompt_token_ids": torch.randint(100, 20000, (128,), generator=generator).tolist()}
+        {"prompt_token_ids": torch.randint(100, 20000, (args.prompt_len,), generator=generator).tolist()}
         for _ in range(args.num_requests)
     ]
     extra = dict(presence_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
@@ -135,6 +141,12 @@ def main() -> None:
         for i in range(args.num_requests)
     ]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    warm_captured = runner.num_captured_steps
+    graphs = [graph for _, graph in getattr(runner.decode_step.fn, "graphs", [])] if runner.decode_step else []
+    if args.phases and not graphs:
+        raise SystemExit("--phases: no captured decode graph of the cpu layer kernels in this engine")
+    for graph in graphs if args.phases else []:
+        graph.set_profiling(True)
     steps.clear()
     llm.generate(prompts, params, use_tqdm=False)
     keys = ["total", "model", "logits", "sampler", "runner_python", "schedule", "update"]
@@ -150,6 +162,14 @@ def main() -> None:
         threads=torch.get_num_threads(),
         isa=torch.backends.cpu.get_cpu_capability(),
     )
+    if args.phases:
+        phases: dict[str, float] = {}
+        for graph in graphs:
+            for name, seconds in graph.phase_seconds().items():
+                phases[name] = phases.get(name, 0.0) + seconds
+        # every step ran the graph (prefill steps do not), so per decode step: over all replayed steps
+        replayed = max(1, runner.num_captured_steps - warm_captured)
+        summary["phases"] = {name: round(seconds / replayed * 1e3, 3) for name, seconds in phases.items()}
     print(json.dumps(summary))
     if args.steps_json:
         with open(args.steps_json, "w") as f:

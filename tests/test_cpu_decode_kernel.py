@@ -238,3 +238,40 @@ def test_mixed_dtypes_other_than_a_16_bit_cache_under_float32_queries_are_refuse
     with pytest.raises(RuntimeError, match="bfloat16 / float16 for float32 rows"):
         rows = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
         _C.write_kv_cache(wide[0], wide[1], rows, rows, torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_pure_decode_steps_metadata_is_the_general_paths(batch_invariant):
+    """The builder's shortcut for a step of one token per row (max_query_len 1) gives what the general path gives
+    for the same rows: every row a decode row, the same table, lengths, slots and token indices, no prompt chunks."""
+    import dataclasses
+
+    import numpy as np
+
+    from engine.interfaces.attention import CommonAttentionMetadata
+    from engine_attention_cpu.attention import CpuAttentionMetadataBuilder
+
+    seq_lens = np.array([5, 17, 1, 33], dtype=np.int64)
+    qsl = np.arange(len(seq_lens) + 1, dtype=np.int64)
+    table = torch.arange(4 * 3, dtype=torch.int32).view(4, 3)
+    common = CommonAttentionMetadata(
+        torch.from_numpy(qsl.astype(np.int32)),
+        torch.from_numpy(seq_lens.astype(np.int32)),
+        torch.from_numpy((seq_lens - 1).astype(np.int32)),
+        table,
+        torch.tensor([4, 16 + 16, 0, 2 * 16 + 16], dtype=torch.int64),
+        1,
+        int(seq_lens.max()),
+        qsl,
+        seq_lens,
+        seq_lens - 1,
+    )
+    builder = CpuAttentionMetadataBuilder({}, torch.device("cpu"), 16)
+    builder.batch_invariant = batch_invariant
+    fast = builder.build(common)
+    general = builder.build(dataclasses.replace(common, max_query_len=2))  # the shortcut keys on max_query_len
+    assert fast.all_decode and general.all_decode and fast.prefills == general.prefills == []
+    for field in ("slot_mapping", "decode_token_indices", "decode_block_table", "decode_seq_lens"):
+        mine, theirs = getattr(fast, field), getattr(general, field)
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), field
+    assert fast.num_actual_tokens == general.num_actual_tokens == 4

@@ -221,6 +221,24 @@ def test_interleaved_kernel_refuses_a_layout_of_another_width():
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_the_row_lookup_of_a_quantized_table_is_the_references_rows(fmt):
+    """The captured decode step's embedding (one C++ call) gives the rows of the torch reference's de-quantized
+    table bit for bit, repeated ids included; an id past the table is an IndexError, not a read past it."""
+    from engine_attention_cpu.quant import row_lookup
+
+    k = 70 if fmt == "int8" else 96
+    weight = quantize(_weight(37, k, seed=3), fmt)
+    lookup = row_lookup(weight)
+    ids = torch.tensor([5, 0, 36, 5, 17])
+    rows = lookup(ids)
+    assert rows.dtype == torch.float32 and torch.equal(rows, dequantize(weight)[ids])
+    assert lookup(torch.tensor([], dtype=torch.int64)).shape == (0, k)
+    with pytest.raises(IndexError, match="out of the table's 37 rows"):
+        lookup(torch.tensor([3, 37]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantized_gemm_and_cpp_dequantize_equal_the_reference(fmt):
     """The product that de-quantizes the weight a panel at a time under the GEMM's tile is the float32 GEMM on the
     de-quantized weight bit for bit: ragged last panels, several k chunks, rows past a row block, int8 widths that are

@@ -13,7 +13,7 @@ from engine.interfaces.logits_processor import LogitsBatch
 from engine.interfaces.sampler import SamplingMetadata
 from engine.sample.builtin_logits_processors import MinPLogitsProcessor
 from engine.sample.default_sampler import DefaultSampler
-from engine.sample.ops import apply_top_k_top_p
+from engine.sample.ops import apply_top_k_top_p, greedy_tokens
 from engine.sampling_params import SamplingParams
 
 ROWS = 20000
@@ -55,6 +55,22 @@ def test_temperature_frequencies_pass_chi_square():
 
 def test_greedy_is_argmax():
     assert set(sample(0.0, rows=50).tolist()) == {0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_torchs_argmax_with_ties_nans_and_strides(dtype):
+    """The NumPy path for float32 rows gives torch.argmax's index: the first of tied maxima, the first NaN, 0 for a
+    row of -inf, on strided views too; 16-bit rows take torch's."""
+    torch.manual_seed(0)
+    logits = torch.randn(7, 49152).to(dtype)
+    logits[1, [5, 900, 40000]] = 50.0  # a tie: the first wins
+    logits[2, [7000, 30]] = float("nan")  # NaN counts as the largest: the first NaN
+    logits[3] = float("-inf")
+    logits[4, -1] = float("inf")
+    for view in (logits, logits[::2], logits[:, 1000:], logits.t().contiguous().t()):
+        tokens = greedy_tokens(view)
+        assert tokens.dtype == torch.int64 and torch.equal(tokens, view.argmax(dim=-1))
+    assert greedy_tokens(logits)[1:5].tolist() == [5, 30, 0, 49151]
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])

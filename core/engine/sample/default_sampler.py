@@ -6,7 +6,7 @@ import torch
 
 from engine.hookspecs import hookimpl
 from engine.interfaces.sampler import Sampler, SamplerOutput, SamplingMetadata
-from engine.sample.ops import random_sample, sampling_weights
+from engine.sample.ops import greedy_tokens, random_sample, sampling_weights
 from engine.sampling_params import GREEDY_EPS
 
 
@@ -18,8 +18,8 @@ class DefaultSampler(Sampler):
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.all_greedy:
-            return SamplerOutput(logits.argmax(dim=-1))
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # before the logits are rescaled
+            return SamplerOutput(greedy_tokens(logits))
+        greedy = None if metadata.all_random else greedy_tokens(logits)  # before the logits are rescaled
         sampled = random_sample(sampling_weights(logits, metadata), metadata.uniform())
         if greedy is not None:  # some rows are greedy
             sampled = torch.where(metadata.temperature < GREEDY_EPS, greedy, sampled)

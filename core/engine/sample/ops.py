@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from engine.sampling_params import GREEDY_EPS
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[N] int64: each row's argmax, the first index of its largest value (a NaN counts as the largest), as
+    ``torch.argmax`` gives it. Float32 rows on the CPU go through NumPy's vectorised argmax: torch's reduction over a
+    vocabulary-long row wakes the OpenMP threads (which sleep between operations: engine.thread_policy) and runs
+    unvectorised; on a 2-core AMD EPYC (AVX-512), one row of 49,152 logits took 3.8 us against 43 us, 64 rows 0.20
+    against 1.39 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return torch.from_numpy(np.ascontiguousarray(logits.detach().numpy().argmax(axis=-1), dtype=np.int64))
+    return logits.argmax(dim=-1)
 
 
 def apply_top_k_top_p(

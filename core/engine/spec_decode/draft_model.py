@@ -17,6 +17,7 @@ from engine.interfaces.proposer import ProposalBatch, Proposer
 from engine.model.layers.attention import Attention
 from engine.model.loader import load_model
 from engine.model.model_info import resolve_model
+from engine.sample.ops import greedy_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class DraftModelProposer(Proposer):
         with set_forward_context([self.builder.build(common)]):
             hidden_states = self.model(input_ids, torch.from_numpy(positions).to(self.device))
         logits = self.model.compute_logits(hidden_states[torch.from_numpy(query_start_loc[1:] - 1).to(self.device)])
-        return logits.argmax(dim=-1).cpu().tolist()
+        return greedy_tokens(logits).cpu().tolist()
 
     def finished(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

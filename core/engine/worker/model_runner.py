@@ -377,12 +377,17 @@ class ModelRunner:
             map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=num_reqs
         )
         computed = batch.num_computed_tokens[:num_reqs]
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
         seq_lens = computed + num_scheduled
-        total = int(query_start_loc[-1])
-        token_rows = np.repeat(np.arange(num_reqs), num_scheduled)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1] - computed, num_scheduled)
+        if num_reqs and (num_scheduled == 1).all():  # a pure decode step: row i's one token at its computed length
+            query_start_loc = np.arange(num_reqs + 1, dtype=np.int64)
+            token_rows, positions = query_start_loc[:-1], computed.astype(np.int64)
+        else:
+            query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+            np.cumsum(num_scheduled, out=query_start_loc[1:])
+            token_rows = np.repeat(np.arange(num_reqs), num_scheduled)
+            positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) - np.repeat(
+                query_start_loc[:-1] - computed, num_scheduled
+            )
         input_ids = batch.token_ids[token_rows, positions].astype(np.int64)
         sampling_rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
         common_tensors = dict(

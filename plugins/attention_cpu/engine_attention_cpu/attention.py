@@ -55,6 +55,16 @@ def split_decode_like(common: CommonAttentionMetadata, every_row: bool = False) 
 
 class CpuAttentionMetadataBuilder(TorchAttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:  # type: ignore[override]  # its own
+        if common.max_query_len == 1:  # a pure decode step: every row one token, a decode row (batch-invariant too)
+            return CpuAttentionMetadata(
+                common.num_actual_tokens,
+                common.slot_mapping.to(torch.int64).contiguous(),
+                torch.from_numpy(common.query_start_loc_np[:-1].astype(np.int64)),
+                common.block_table.to(torch.int32).contiguous(),
+                common.seq_lens.to(torch.int32).contiguous(),
+                True,
+                [],
+            )
         decode_rows, prefill_rows = split_decode_like(common, self.batch_invariant)
         indices = table = lens = None
         all_decode = len(prefill_rows) == 0

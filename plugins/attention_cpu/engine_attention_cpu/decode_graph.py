@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,10 +25,11 @@ from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.product_choice import ROW_BUCKETS, BucketedProduct
 from engine.model.layers.rotary import RotaryEmbedding
+from engine.model.layers.vocab import VocabParallelEmbedding
 from engine.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from engine_attention_cpu.attention import CpuAttentionImpl, CpuAttentionMetadata
 from engine_attention_cpu.gemm import CpuPackedLinear
-from engine_attention_cpu.quant import QuantDotProduct
+from engine_attention_cpu.quant import QuantDotProduct, row_lookup
 
 UNBOUNDED_ROWS = 2**31 - 1  # the last row bucket's graph takes a step of any size
 
@@ -101,6 +102,25 @@ def _check_layer(index: int, layer: Any, kernels: Any) -> None:
     )
 
 
+def token_embedding(decoder: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The step's embedding: a quantized table (GGUF's) looked up in one C++ call, which gives the eager lookup's
+    bits (its rows de-quantized) without its torch operations, each slow in a step whose weight reads have just
+    evicted the interpreter's caches; any other table, the decoder's own ``embed``."""
+    table: Any = getattr(decoder, "embed_tokens", None)
+    quant = getattr(table, "quant_weight", None)
+    if (
+        quant is None
+        or type(decoder).embed is not LlamaModel.embed
+        or type(table).forward is not VocabParallelEmbedding.forward
+        or type(table)._lookup is not VocabParallelEmbedding._lookup
+    ):
+        return decoder.embed
+    lookup, dtype = row_lookup(quant), table.weight.dtype
+    if dtype == torch.float32:
+        return lookup
+    return lambda ids: lookup(ids).to(dtype)
+
+
 class CpuCapturedDecodeStep(CapturedDecodeStep):
     """The decoder-layer loop of one model in C++, one graph per row bucket; embedding in Python before it (one
     call). With LoRA layers, a step whose tokens run adapters replays too: the graph adds each token's adapter
@@ -114,6 +134,7 @@ class CpuCapturedDecodeStep(CapturedDecodeStep):
         self.graphs = graphs  # (most rows, graph), ascending
         self.max_batch_size = int(min(graphs[-1][0], UNBOUNDED_ROWS))
         self.punica = punica  # the step's LoRA mapping, shared with the layers (None: no LoRA layers)
+        self.embed = token_embedding(model.model)
 
     def __call__(self, input_ids, positions, attn_metadata) -> Optional[torch.Tensor]:
         if len(attn_metadata) != 1:
@@ -126,7 +147,7 @@ class CpuCapturedDecodeStep(CapturedDecodeStep):
         if graph is None:
             return None
         mapping = self.punica.mapping if self.punica is not None else None
-        hidden_states = self.model.model.embed(input_ids).contiguous()
+        hidden_states = self.embed(input_ids).contiguous()
         return graph.run(
             hidden_states,
             positions,

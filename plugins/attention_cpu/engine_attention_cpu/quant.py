@@ -141,6 +141,18 @@ class DequantizedGemmProduct:
         return self._forward(x)
 
 
+def row_lookup(weight: QuantizedWeight):
+    """``ids [T] int64 -> [T, K] float32``: rows of a quantized table (an embedding's), de-quantized in one C++ call:
+    ``engine.model.quant_formats.dequantize``'s bits for those rows, without its dozen torch operations."""
+    return functools.partial(
+        _ops().dequantize_rows,
+        weight.data,
+        weight.scales,
+        FORMAT_IDS[weight.format],
+        weight.shape[1],
+    )
+
+
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 weight, de-quantized by the C++ kernel (tests hold it to the torch reference)."""
     out = torch.empty(weight.shape, dtype=torch.float32)

@@ -14,11 +14,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -92,6 +95,39 @@ struct Layer {
   torch::Tensor kv_cache;  // [2, blocks, kv_heads, block_size, head_size]
 };
 
+// Where a replayed step's time goes, phase by phase (DecodeGraph.set_profiling): wall seconds summed over the steps
+// run since the last read. Off by default; on, each phase costs two clock reads (tens of nanoseconds).
+class PhaseClock {
+ public:
+  enum Phase { kNorm, kQkv, kRope, kKvWrite, kAttention, kO, kGateUp, kActivation, kDown, kPhases };
+  static constexpr const char* kNames[kPhases] = {"norm",       "qkv", "rope",       "kv_write", "attention",
+                                                   "o_proj",     "gate_up", "activation", "down"};
+  bool on = false;
+  // runs f, adding its wall time to `phase` when on
+  template <class F>
+  auto time(Phase phase, F&& f) -> decltype(f()) {
+    if (!on) return f();
+    const auto start = std::chrono::steady_clock::now();
+    struct Add {
+      PhaseClock& clock;
+      Phase phase;
+      std::chrono::steady_clock::time_point start;
+      ~Add() { clock.seconds_[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+    } add{*this, phase, start};
+    return f();
+  }
+  // {phase: seconds} since the last read, then zero
+  std::map<std::string, double> read() {
+    std::map<std::string, double> out;
+    for (int p = 0; p < kPhases; ++p) out[kNames[p]] = seconds_[p];
+    seconds_.fill(0.0);
+    return out;
+  }
+
+ private:
+  std::array<double, kPhases> seconds_{};
+};
+
 class DecodeGraph {
  public:
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<py::tuple> products,
@@ -147,39 +183,58 @@ class DecodeGraph {
     const int64_t tokens = hidden.size(0);
     const torch::Tensor pos = positions.to(torch::kInt64).contiguous();
     torch::Tensor residual;
+    using P = PhaseClock;
+    PhaseClock& clock = clock_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      if (i == 0) {
-        residual = hidden;
-        hidden = at::empty_like(residual);
-        engine_layers::rms_norm(hidden, residual, L.input_norm, L.eps);
-      } else {
-        engine_layers::fused_add_rms_norm(hidden, residual, L.input_norm, L.eps);
-      }
+      clock.time(P::kNorm, [&] {
+        if (i == 0) {
+          residual = hidden;
+          hidden = at::empty_like(residual);
+          engine_layers::rms_norm(hidden, residual, L.input_norm, L.eps);
+        } else {
+          engine_layers::fused_add_rms_norm(hidden, residual, L.input_norm, L.eps);
+        }
+      });
       const int64_t q_size = L.num_heads * L.head_size, kv_size = L.num_kv_heads * L.head_size;
-      const torch::Tensor qkv = L.qkv(hidden, token_slots);
+      const torch::Tensor qkv = clock.time(P::kQkv, [&] { return L.qkv(hidden, token_slots); });
       const torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
                           v = qkv.narrow(1, q_size + kv_size, kv_size);
-      engine_layers::rotary_embedding(pos, q, k, L.cos, L.sin, L.head_size);
+      clock.time(P::kRope, [&] { engine_layers::rotary_embedding(pos, q, k, L.cos, L.sin, L.head_size); });
       const torch::Tensor key_cache = L.kv_cache.select(0, 0).transpose(1, 2),
                           value_cache = L.kv_cache.select(0, 1).transpose(1, 2);
-      engine_attention::write_kv_cache(key_cache, value_cache, k.view({tokens, L.num_kv_heads, L.head_size}),
-                                       v.view({tokens, L.num_kv_heads, L.head_size}), slot_mapping);
+      clock.time(P::kKvWrite, [&] {
+        engine_attention::write_kv_cache(key_cache, value_cache, k.view({tokens, L.num_kv_heads, L.head_size}),
+                                         v.view({tokens, L.num_kv_heads, L.head_size}), slot_mapping);
+      });
       torch::Tensor attn = at::empty({tokens, L.num_heads, L.head_size}, hidden.options());
-      engine_attention::paged_decode_attention(attn, q.view({tokens, L.num_heads, L.head_size}).contiguous(),
-                                               key_cache, value_cache, block_table, seq_lens, L.scale, L.soft_cap,
-                                               L.sliding_window);
-      hidden = L.o(attn.view({tokens, q_size}), token_slots);
-      if (L.o_bias.has_value()) hidden = hidden + *L.o_bias;
-      engine_layers::fused_add_rms_norm(hidden, residual, L.post_norm, L.eps);
-      const torch::Tensor gate_up = L.gate_up(hidden, token_slots);
+      clock.time(P::kAttention, [&] {
+        engine_attention::paged_decode_attention(attn, q.view({tokens, L.num_heads, L.head_size}).contiguous(),
+                                                 key_cache, value_cache, block_table, seq_lens, L.scale, L.soft_cap,
+                                                 L.sliding_window);
+      });
+      hidden = clock.time(P::kO, [&] {
+        torch::Tensor y = L.o(attn.view({tokens, q_size}), token_slots);
+        return L.o_bias.has_value() ? y + *L.o_bias : y;
+      });
+      clock.time(P::kNorm, [&] { engine_layers::fused_add_rms_norm(hidden, residual, L.post_norm, L.eps); });
+      const torch::Tensor gate_up = clock.time(P::kGateUp, [&] { return L.gate_up(hidden, token_slots); });
       torch::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-      engine_layers::silu_and_mul(act, gate_up);
-      hidden = L.down(act, token_slots);
-      if (L.down_bias.has_value()) hidden = hidden + *L.down_bias;
+      clock.time(P::kActivation, [&] { engine_layers::silu_and_mul(act, gate_up); });
+      hidden = clock.time(P::kDown, [&] {
+        torch::Tensor y = L.down(act, token_slots);
+        return L.down_bias.has_value() ? y + *L.down_bias : y;
+      });
     }
-    engine_layers::fused_add_rms_norm(hidden, residual, final_norm_, final_eps_);
+    clock.time(P::kNorm, [&] { engine_layers::fused_add_rms_norm(hidden, residual, final_norm_, final_eps_); });
     return hidden;
+  }
+
+  void set_profiling(bool on) {
+    clock_.on = on;
+    clock_.read();
+  }
+  std::map<std::string, double> phase_seconds() { return clock_.read();
   }
 
  private:
@@ -219,6 +274,7 @@ class DecodeGraph {
   }
 
   std::vector<Layer> layers_;
+  PhaseClock clock_;
   torch::Tensor final_norm_;
   double final_eps_ = 0;
 };
@@ -235,6 +291,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("loras") = std::vector<py::object>())
       .def("set_final_norm", &engine_graph::DecodeGraph::set_final_norm)
       .def("num_layers", &engine_graph::DecodeGraph::num_layers)
+      // per-phase wall time of the steps run while on (scripts/profile_decode_step.py --phases)
+      .def("set_profiling", &engine_graph::DecodeGraph::set_profiling)
+      .def("phase_seconds", &engine_graph::DecodeGraph::phase_seconds)
       // without the GIL, as the eager kernels: the engine's other Python threads run during the step
       .def("run", &engine_graph::DecodeGraph::run, py::arg("hidden"), py::arg("positions"),
            py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"), py::arg("token_slots") = py::none(),

@@ -440,6 +440,29 @@ void dequantize(torch::Tensor out, torch::Tensor data, c10::optional<torch::Tens
   });
 }
 
+// ids [T] int64 -> out [T, K] float32: rows `ids` of W, de-quantized (an embedding's lookup of a quantized table;
+// the bits of dequantize's rows). Serial: a decode step looks up a few rows.
+torch::Tensor dequantize_rows(torch::Tensor data, c10::optional<torch::Tensor> scales, int64_t format,
+                              int64_t in_features, torch::Tensor ids) {
+  check_weight(data, scales, format, in_features);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids: int64 [T]");
+  const torch::Tensor index = ids.contiguous();
+  const int64_t t = index.size(0), n = data.size(0), k = in_features, row_bytes = data.size(1);
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < n, "token id ", id[i], " is out of the table's ", n, " rows");
+  torch::Tensor out = at::empty({t, k}, torch::kFloat32);
+  const float* s = scales.has_value() ? scales->data_ptr<float>() : nullptr;
+  const uint8_t* w = static_cast<const uint8_t*>(data.data_ptr());
+  float* o = out.data_ptr<float>();
+  std::vector<float> row(((k + kBlock - 1) / kBlock) * kBlock);
+  for (int64_t i = 0; i < t; ++i) {
+    dequantize_row(w + id[i] * row_bytes, static_cast<int>(format), k, s ? s[id[i]] : 1.f, row.data(), 1);
+    std::memcpy(o + i * k, row.data(), k * sizeof(float));
+  }
+  return out;
+}
+
 #ifdef ENGINE_AVX2
 // r[0..8) (8 floats each) transposed in place
 static inline void transpose8(__m256* r) {
@@ -575,6 +598,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("variant"), py::arg("bias"),
         py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &engine_quant::dequantize, "out [N, K] float32 = W");
+  m.def("dequantize_rows", &engine_quant::dequantize_rows, "ids [T] -> rows ids of W, de-quantized: [T, K] float32",
+        py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("in_features"), py::arg("ids"));
   m.def("interleave", &engine_quant::interleave,
         "(rows of blocks, int8 scales, format, in_features) -> (the interleaved layout, int8 scales padded to groups)",
         py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("in_features"));
