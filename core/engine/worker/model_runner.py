@@ -465,19 +465,18 @@ class ModelRunner:
         self, logits: torch.Tensor, rows: np.ndarray, offsets: Optional[np.ndarray] = None
     ) -> None:
         batch = self.batch
+        if not self.logits_processors:
+            return
+        uses = batch.uses_processor[:, rows]  # [processors, rows]: one gather for all of them
         num_tokens = None if offsets is None else batch.num_tokens[rows] + offsets
-        for processor, uses in zip(self.logits_processors, batch.uses_processor):
-            asked = np.nonzero(uses[rows])[0]
-            if len(asked):
-                processor.apply(
-                    logits,
-                    LogitsBatch(
-                        torch.from_numpy(asked),
-                        batch,
-                        rows[asked],
-                        None if num_tokens is None else num_tokens[asked],
-                    ),
-                )
+        for index in np.flatnonzero(uses.any(axis=1)).tolist():  # only the processors some row asked for
+            asked = np.nonzero(uses[index])[0]
+            self.logits_processors[index].apply(
+                logits,
+                LogitsBatch(
+                    torch.from_numpy(asked), batch, rows[asked], None if num_tokens is None else num_tokens[asked]
+                ),
+            )
 
     @staticmethod
     def _apply_grammar_bitmask(
@@ -565,7 +564,13 @@ class ModelRunner:
             if speculating
             else None
         )
-        logits = model.compute_logits(hidden_states[inputs.logits_indices.to(self.device)])
+        # the sampled positions rise strictly: as many as the tokens is every token (a pure decode step), no gather
+        sampled_states = (
+            hidden_states
+            if len(inputs.logits_indices) == len(hidden_states)
+            else hidden_states[inputs.logits_indices.to(self.device)]
+        )
+        logits = model.compute_logits(sampled_states)
         num_logprobs = batch.num_logprobs[position_rows]
         wants_logprobs = np.nonzero(num_logprobs >= 0)[0]
         raw_logprobs = (
