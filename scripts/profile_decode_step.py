@@ -167,7 +167,7 @@ def main() -> None:
         for graph in graphs:
             for name, seconds in graph.phase_seconds().items():
                 phases[name] = phases.get(name, 0.0) + seconds
-        # every step ran the graph (prefill steps do not), so per decode step: over all replayed steps
+        # per replayed step (steps with a prompt run eagerly and add nothing to the phases)
         replayed = max(1, runner.num_captured_steps - warm_captured)
         summary["phases"] = {name: round(seconds / replayed * 1e3, 3) for name, seconds in phases.items()}
     print(json.dumps(summary))

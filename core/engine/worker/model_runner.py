@@ -378,9 +378,9 @@ class ModelRunner:
         )
         computed = batch.num_computed_tokens[:num_reqs]
         seq_lens = computed + num_scheduled
-        if num_reqs and (num_scheduled == 1).all():  # a pure decode step: row i's one token at its computed length
+        if (num_scheduled == 1).all():  # a pure decode step: row i's one token at its computed length
             query_start_loc = np.arange(num_reqs + 1, dtype=np.int64)
-            token_rows, positions = query_start_loc[:-1], computed.astype(np.int64)
+            token_rows, positions = query_start_loc[:-1], computed.copy()  # the batch's counts move on after the step
         else:
             query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
             np.cumsum(num_scheduled, out=query_start_loc[1:])

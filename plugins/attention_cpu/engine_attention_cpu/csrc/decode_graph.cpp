@@ -100,8 +100,8 @@ struct Layer {
 class PhaseClock {
  public:
   enum Phase { kNorm, kQkv, kRope, kKvWrite, kAttention, kO, kGateUp, kActivation, kDown, kPhases };
-  static constexpr const char* kNames[kPhases] = {"norm",       "qkv", "rope",       "kv_write", "attention",
-                                                   "o_proj",     "gate_up", "activation", "down"};
+  static constexpr const char* kNames[kPhases] = {"norm",   "qkv",     "rope",       "kv_write", "attention",
+                                                   "o_proj", "gate_up", "activation", "down"};
   bool on = false;
   // runs f, adding its wall time to `phase` when on
   template <class F>
@@ -184,7 +184,7 @@ class DecodeGraph {
     const torch::Tensor pos = positions.to(torch::kInt64).contiguous();
     torch::Tensor residual;
     using P = PhaseClock;
-    PhaseClock& clock = clock_;
+    PhaseClock& clock = clock_;  // off: each phase is a plain call
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       clock.time(P::kNorm, [&] {
@@ -234,8 +234,7 @@ class DecodeGraph {
     clock_.on = on;
     clock_.read();
   }
-  std::map<std::string, double> phase_seconds() { return clock_.read();
-  }
+  std::map<std::string, double> phase_seconds() { return clock_.read(); }
 
  private:
   // ("gemm", panels, bias, out_features, variant), ("quant", data, scales, bias, format, variant, out_features) or
