@@ -79,6 +79,49 @@ def test_rows_stay_contiguous_and_consistent_under_random_churn():
                 ids.extend(new)
         for state in live.values():
             check_row(batch, state)
+        check_facts(batch, list(live.values()))
+
+
+def check_facts(batch: InputBatch, states: list[CachedRequestState]) -> None:
+    facts = batch.facts()
+    params = [state.sampling_params for state in states]
+    assert facts.any_logprobs == any(p.logprobs is not None for p in params)
+    assert facts.any_prompt_logprobs == any(p.prompt_logprobs is not None for p in params)
+    assert facts.any_processor == any(any(state.processor_mask) for state in states)
+    assert facts.any_seeded == any(p.seed is not None and not p.greedy for p in params)
+
+
+def test_batch_facts_are_kept_while_the_rows_requests_stay_and_renewed_when_they_change():
+    """A steady decode batch keeps one BatchFacts object (the runner keys its sampling metadata on it); a request
+    that enters, leaves or moves to another row renews it, and the new facts read the rows as they now are."""
+    rng = random.Random(1)
+    batch = InputBatch(max_num_reqs=8, max_model_len=300, block_sizes=[16], num_processors=1)
+    greedy = SamplingParams(temperature=0.0)
+    states = [CachedRequestState(f"g{i}", [1, 2, 3], [1, 2, 3], greedy, [[i + 1]], 2, 2, [False]) for i in range(3)]
+    for state in states:
+        batch.add_request(state)
+    facts = batch.facts()
+    check_facts(batch, states)
+    assert not (facts.any_logprobs or facts.any_prompt_logprobs or facts.any_processor or facts.any_seeded)
+    for _ in range(5):  # decode steps: tokens and blocks move on, the requests stay
+        rows = np.arange(batch.num_reqs)
+        batch.append_sampled(rows, np.array([rng.randrange(1, 500) for _ in rows], dtype=np.int64))
+        batch.append_block_ids(0, [[rng.randrange(10, 1000)]])
+        batch.condense()
+        assert batch.facts() is facts
+
+    wants = SamplingParams(temperature=0.8, seed=7, logprobs=3, prompt_logprobs=1)
+    batch.add_request(CachedRequestState("w", [4, 5], [4, 5], wants, [[20]], 1, 2, [True]))
+    entered = batch.facts()
+    assert entered is not facts
+    assert entered.any_logprobs and entered.any_prompt_logprobs and entered.any_processor and entered.any_seeded
+
+    batch.remove_request("w")  # a hole: the facts may still count the removed row until condense moves a row
+    batch.remove_request("g0")
+    batch.condense()  # g2 moves into row 0
+    check_facts(batch, [states[1], states[2]])
+    moved = batch.facts()
+    assert moved is not entered and batch.facts() is moved
 
 
 def test_a_request_leaving_the_batch_keeps_its_tokens_and_blocks():

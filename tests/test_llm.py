@@ -99,6 +99,45 @@ def test_seeded_requests_keep_their_tokens_through_preemption_and_skipped_steps(
     assert_all_blocks_free(tight)
 
 
+def test_sampling_metadata_is_kept_through_a_steady_batch_and_renewed_when_a_request_joins(llm):
+    """The runner keeps a steady decode batch's sampling metadata from step to step (as vLLM's input batch does);
+    a request joining or leaving renews it, so the sampler always sees every row's own settings and a joining
+    request that wants logprobs gets them from its first token."""
+    runner = inspect(llm).model_runner
+    seen = []
+    sampler = runner.sampler
+
+    def recording(logits, metadata):
+        seen.append((metadata, metadata.temperature.tolist(), metadata.top_k))
+        return sampler(logits, metadata)
+
+    runner.sampler = recording
+    engine = llm.llm_engine
+    try:
+        prompts = random_prompts(2, (6, 12), seed=3)
+        engine.add_request({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), "a")
+        for _ in range(4):  # the prompt, then three decode steps of "a" alone
+            engine.step()
+        alone = seen[1:]
+        assert all(entry[0] is alone[0][0] for entry in alone) and alone[0][1] == [0.0]
+        joins = SamplingParams(temperature=0.7, top_k=5, logprobs=2, max_tokens=10)
+        engine.add_request({"prompt_token_ids": prompts[1]}, joins, "b")
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+    finally:
+        runner.sampler = sampler
+    together = [entry for entry in seen[4:] if len(entry[1]) == 2]
+    assert together and sorted(together[0][1]) == pytest.approx([0.0, 0.7])
+    assert together[0][2] is not None and sorted(together[0][2].tolist()) == [0, 5]
+    assert together[0][0] is not alone[0][0]
+    b_alone = [entry for entry in seen[4:] if len(entry[1]) == 1]
+    assert b_alone and b_alone[-1][1] == pytest.approx([0.7]), "after 'a' finished the metadata is b's own"
+    b = outputs["b"].outputs[0]
+    assert len(b.token_ids) == 10 and len(b.logprobs) == 10 and all(len(step) >= 2 for step in b.logprobs)
+    assert_all_blocks_free(llm)
+
+
 def test_top_k_one_is_greedy(llm):
     prompts = random_prompts(3, (5, 30), seed=7)
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)

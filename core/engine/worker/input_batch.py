@@ -22,6 +22,17 @@ from engine.worker.block_table import BlockTable
 _INITIAL_TOKEN_WIDTH = 1024
 
 
+@dataclass(frozen=True)
+class BatchFacts:
+    """What the batch's rows ask of a step beyond sampling, found once per change of the rows' requests
+    (``InputBatch.facts``) instead of by a scan of the rows every step."""
+
+    any_logprobs: bool  # some row wants the logprobs of its sampled tokens
+    any_prompt_logprobs: bool  # some row scores its prompt
+    any_processor: bool  # some row asked for a logits processor
+    any_seeded: bool  # some row samples from its own seed
+
+
 @dataclass
 class CachedRequestState:
     """What the worker remembers of a request between steps (its tokens live in the batch while it has a row)."""
@@ -61,6 +72,7 @@ class InputBatch:
         self.lora_int_id = np.zeros(max_num_reqs, dtype=np.int64)  # each row's adapter id (0: the base model)
         max_blocks = [-(-max_model_len // size) for size in block_sizes]
         self.block_tables = [BlockTable(max_num_reqs, blocks, size) for blocks, size in zip(max_blocks, block_sizes)]
+        self._facts: Optional[BatchFacts] = None  # dropped whenever a row's request enters, leaves or moves
 
     @property
     def num_reqs(self) -> int:
@@ -68,6 +80,19 @@ class InputBatch:
 
     def sampling_column(self, name: str) -> np.ndarray:
         return self._columns[name]
+
+    def facts(self) -> BatchFacts:
+        """The rows' ``BatchFacts``: the same object from step to step while no request enters, leaves or moves (a
+        steady decode batch), so what is derived from the rows' settings alone can be kept with it."""
+        if self._facts is None:
+            rows = slice(0, len(self.req_ids))  # holes included: their settings are a removed request's or defaults
+            self._facts = BatchFacts(
+                any_logprobs=bool((self.num_logprobs[rows] >= 0).any()),
+                any_prompt_logprobs=bool((self.num_prompt_logprobs[rows] >= 0).any()),
+                any_processor=bool(self.uses_processor[:, rows].any()),
+                any_seeded=bool(self.seeded[rows].any()),
+            )
+        return self._facts
 
     # ---- rows in and out ----------------------------------------------------------------------
     def add_request(self, state: CachedRequestState) -> int:
@@ -80,6 +105,7 @@ class InputBatch:
                 raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows = scheduler.max_num_seqs)")
             self.req_ids.append(state.req_id)
         self.req_id_to_index[state.req_id] = row
+        self._facts = None
         params = state.sampling_params
         self.params[row] = params
         self._ensure_width(len(state.token_ids) + 1)
@@ -105,6 +131,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return
+        self._facts = None
         if state is not None:
             state.token_ids = self.token_ids[row, : self.num_tokens[row]].tolist()
             state.block_ids = [table.row_ids(row) for table in self.block_tables]
@@ -129,6 +156,7 @@ class InputBatch:
 
     def _move_row(self, src: int, dst: int) -> None:
         req_id = cast(str, self.req_ids[src])  # a filled row moves into a hole
+        self._facts = None
         self.req_ids[dst] = req_id
         self.req_id_to_index[req_id] = dst
         self.params[dst], self.params[src] = self.params[src], None

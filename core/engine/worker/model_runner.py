@@ -44,7 +44,7 @@ from engine.sample.ops import sampling_probs
 from engine.sampling_params import GREEDY_EPS
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode.rejection_sampler import rejection_sample
-from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.input_batch import BatchFacts, CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class ModelRunner:
         self.lora_manager: Optional[LoRAModelManager] = None  # with lora.enable_lora: the adapters' slots
         self.decode_step: Optional[CapturedDecodeStep] = None  # the captured decode step, unless enforce_eager
         self.num_captured_steps = 0  # steps the capture ran (the rest ran eagerly)
+        # the last step's sampling metadata, with the batch facts and the rows it was made for
+        self._kept_sampling_metadata: Optional[tuple[BatchFacts, np.ndarray, SamplingMetadata]] = None
 
     @property
     def batch(self) -> InputBatch:
@@ -373,15 +375,20 @@ class ModelRunner:
         batch = self.batch
         num_reqs = batch.num_reqs
         req_ids = cast(list[str], batch.req_ids[:num_reqs])  # the rows below num_reqs are filled (condensed)
-        num_scheduled = np.fromiter(
-            map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=num_reqs
-        )
         computed = batch.num_computed_tokens[:num_reqs]
-        seq_lens = computed + num_scheduled
-        if (num_scheduled == 1).all():  # a pure decode step: row i's one token at its computed length
+        # every scheduled row runs at least one token, so as many tokens as rows is a pure decode step
+        if scheduler_output.total_num_scheduled_tokens == num_reqs:  # row i's one token at its computed length
+            num_scheduled = np.ones(num_reqs, dtype=np.int64)
+            max_query_len = 1
             query_start_loc = np.arange(num_reqs + 1, dtype=np.int64)
             token_rows, positions = query_start_loc[:-1], computed.copy()  # the batch's counts move on after the step
+            seq_lens = positions + 1
         else:
+            num_scheduled = np.fromiter(
+                map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=num_reqs
+            )
+            max_query_len = int(num_scheduled.max())
+            seq_lens = computed + num_scheduled
             query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
             np.cumsum(num_scheduled, out=query_start_loc[1:])
             token_rows = np.repeat(np.arange(num_reqs), num_scheduled)
@@ -402,7 +409,7 @@ class ModelRunner:
                 **common_tensors,
                 block_table=torch.from_numpy(table.table(num_reqs)),
                 slot_mapping=torch.from_numpy(table.slot_mapping(token_rows, positions)),
-                max_query_len=int(num_scheduled.max()),
+                max_query_len=max_query_len,
                 max_seq_len=int(seq_lens.max()),
                 query_start_loc_np=query_start_loc,
                 seq_lens_np=seq_lens,
@@ -437,7 +444,20 @@ class ModelRunner:
 
     def _sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray] = None) -> SamplingMetadata:
         """The sampling rows' settings, sliced from the batch's persistent arrays (``offsets``: a logits row's
-        position among its request's verified positions, with speculative decoding)."""
+        position among its request's verified positions, with speculative decoding). Kept from the step before
+        while the batch's requests and the rows are the same and no row is seeded (as vLLM's input batch keeps its
+        sampling metadata): samplers read it and never write to it."""
+        batch = self.batch
+        facts = batch.facts()
+        kept = self._kept_sampling_metadata
+        reusable = offsets is None and not facts.any_seeded
+        if reusable and kept is not None and kept[0] is facts and np.array_equal(kept[1], rows):
+            return kept[2]
+        metadata = self._new_sampling_metadata(rows, offsets)
+        self._kept_sampling_metadata = (facts, rows.copy(), metadata) if reusable else None
+        return metadata
+
+    def _new_sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray]) -> SamplingMetadata:
         batch = self.batch
         column = lambda name: batch.sampling_column(name)[rows]
         temperature = column("temperature")
@@ -549,8 +569,9 @@ class ModelRunner:
             pooled = self._pool(inputs, hidden_states)
             batch.num_computed_tokens[: len(req_ids)] += inputs.num_scheduled
             return ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)
+        facts = batch.facts()
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        if (batch.num_prompt_logprobs[: len(req_ids)] >= 0).any():
+        if facts.any_prompt_logprobs and (batch.num_prompt_logprobs[: len(req_ids)] >= 0).any():
             prompt_logprobs = self._prompt_logprobs(hidden_states, inputs.query_start_loc)
         batch.num_computed_tokens[: len(req_ids)] += inputs.num_scheduled
         if not len(sampling_rows):
@@ -571,12 +592,14 @@ class ModelRunner:
             else hidden_states[inputs.logits_indices.to(self.device)]
         )
         logits = model.compute_logits(sampled_states)
-        num_logprobs = batch.num_logprobs[position_rows]
-        wants_logprobs = np.nonzero(num_logprobs >= 0)[0]
-        raw_logprobs = (
-            logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1).cpu() if len(wants_logprobs) else None
-        )
-        self._apply_logits_processors(logits, position_rows, offsets)
+        raw_logprobs = None
+        if facts.any_logprobs:
+            num_logprobs = batch.num_logprobs[position_rows]
+            wants_logprobs = np.nonzero(num_logprobs >= 0)[0]
+            if len(wants_logprobs):
+                raw_logprobs = logits[torch.from_numpy(wants_logprobs)].log_softmax(dim=-1).cpu()
+        if facts.any_processor:
+            self._apply_logits_processors(logits, position_rows, offsets)
         if scheduler_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, scheduler_output, req_ids, position_rows, offsets)
         sampling_metadata = self._sampling_metadata(position_rows, offsets)

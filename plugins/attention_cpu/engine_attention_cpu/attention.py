@@ -53,15 +53,20 @@ def split_decode_like(common: CommonAttentionMetadata, every_row: bool = False) 
     return np.nonzero(decode_like)[0], np.nonzero(~decode_like)[0]
 
 
+def _as_contiguous(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as a contiguous ``dtype`` tensor: itself where it already is one (no dispatch, each step)."""
+    return tensor if tensor.dtype == dtype and tensor.is_contiguous() else tensor.to(dtype).contiguous()
+
+
 class CpuAttentionMetadataBuilder(TorchAttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:  # type: ignore[override]  # its own
         if common.max_query_len == 1:  # a pure decode step: every row one token, a decode row (batch-invariant too)
             return CpuAttentionMetadata(
-                common.num_actual_tokens,
-                common.slot_mapping.to(torch.int64).contiguous(),
+                len(common.seq_lens_np),
+                _as_contiguous(common.slot_mapping, torch.int64),
                 torch.from_numpy(common.query_start_loc_np[:-1].astype(np.int64)),
-                common.block_table.to(torch.int32).contiguous(),
-                common.seq_lens.to(torch.int32).contiguous(),
+                _as_contiguous(common.block_table, torch.int32),
+                _as_contiguous(common.seq_lens, torch.int32),
                 True,
                 [],
             )

@@ -93,6 +93,8 @@ struct Layer {
   int64_t sliding_window;
   torch::Tensor cos, sin;  // RoPE tables [max_position, rotary_dim] float32
   torch::Tensor kv_cache;  // [2, blocks, kv_heads, block_size, head_size]
+  // its two halves seen token-major, [blocks, block_size, kv_heads, head_size]: made once, not each step
+  torch::Tensor key_cache, value_cache;
 };
 
 // Where a replayed step's time goes, phase by phase (DecodeGraph.set_profiling): wall seconds summed over the steps
@@ -163,6 +165,8 @@ class DecodeGraph {
     layer.cos = cos;
     layer.sin = sin;
     layer.kv_cache = kv_cache;
+    layer.key_cache = kv_cache.select(0, 0).transpose(1, 2);
+    layer.value_cache = kv_cache.select(0, 1).transpose(1, 2);
     layers_.push_back(std::move(layer));
   }
 
@@ -201,8 +205,7 @@ class DecodeGraph {
       const torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
                           v = qkv.narrow(1, q_size + kv_size, kv_size);
       clock.time(P::kRope, [&] { engine_layers::rotary_embedding(pos, q, k, L.cos, L.sin, L.head_size); });
-      const torch::Tensor key_cache = L.kv_cache.select(0, 0).transpose(1, 2),
-                          value_cache = L.kv_cache.select(0, 1).transpose(1, 2);
+      const torch::Tensor &key_cache = L.key_cache, &value_cache = L.value_cache;
       clock.time(P::kKvWrite, [&] {
         engine_attention::write_kv_cache(key_cache, value_cache, k.view({tokens, L.num_kv_heads, L.head_size}),
                                          v.view({tokens, L.num_kv_heads, L.head_size}), slot_mapping);

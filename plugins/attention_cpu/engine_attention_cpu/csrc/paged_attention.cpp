@@ -43,10 +43,10 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
     const int64_t end = std::min(last, (index + 1) * block_size);
     const char* next = end < last ? reinterpret_cast<const char*>(cache + table[index + 1] * stride_block) : nullptr;
     const int64_t next_rows = next ? std::min(block_size, last - end) : 0;
-    const scalar_t* row = cache + table[index] * stride_block + (t % block_size) * stride_tok;
-    for (; t < end; ++t, row += stride_tok) {
+    int64_t offset = t - index * block_size;  // counted along the block: no division a row
+    const scalar_t* row = cache + table[index] * stride_block + offset * stride_tok;
+    for (; t < end; ++t, ++offset, row += stride_tok) {
 #ifdef ENGINE_AVX2
-      const int64_t offset = t % block_size;
       if (offset < next_rows)
         for (int64_t b = prefetch_from; b < prefetch_to; b += 64)
           _mm_prefetch(next + offset * stride_tok * int64_t(sizeof(scalar_t)) + b, _MM_HINT_T0);
@@ -236,7 +236,9 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   const int64_t threads = context * num_heads * head_size < kSerialWork ? 1 : at::get_num_threads();
   // on the spin pool, not OpenMP: this runs between the step's products, which keep the pool's workers awake
   engine_pool::run_shared(std::min<int64_t>(threads, num_items), [&] {
-    std::vector<float> q(3 * head_size), whole(3 * v_size), scores;
+    thread_local std::vector<float> q, whole, scores;  // each thread's own, kept between calls (no allocation)
+    q.resize(3 * head_size);
+    whole.resize(3 * v_size);
     for (int64_t taken = next_item++; taken < num_items; taken = next_item++) {
       const Item& item = items[taken];
       scores.resize(3 * (item.last - item.first));
