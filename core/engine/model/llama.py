@@ -235,7 +235,12 @@ class LlamaForCausalLM(nn.Module):
             logits = self.logits_gemm(hidden_states)
         else:
             logits = linear(hidden_states, self.lm_head.weight)
-        logits = self.tp.all_gather(logits, dim=-1)[..., : self.config.vocab_size].float()
+        logits = self.tp.all_gather(logits, dim=-1)
+        vocab_size = self.config.vocab_size
+        if logits.shape[-1] != vocab_size:  # a padded (sharded) vocabulary
+            logits = logits[..., :vocab_size]
+        if logits.dtype != torch.float32:  # (a decode step's logits are float32 already: no dispatch)
+            logits = logits.float()
         soft_cap = getattr(self.config, "final_logit_softcapping", None)
         if soft_cap:
             logits = torch.tanh(logits / soft_cap) * soft_cap

@@ -616,9 +616,10 @@ class ModelRunner:
             )
         else:
             sampled = self.sampler(logits, sampling_metadata).sampled_token_ids
-            sampled = get_tp_group().broadcast(sampled.contiguous(), src=0).cpu()  # every rank keeps rank 0's tokens
-            batch.append_sampled(sampling_rows, sampled.numpy())
-            emitted = sampled.unsqueeze(1).tolist()
+            sampled = get_tp_group().broadcast(sampled.contiguous(), src=0)  # every rank keeps rank 0's tokens
+            sampled_ids = (sampled if sampled.device.type == "cpu" else sampled.cpu()).numpy()
+            batch.append_sampled(sampling_rows, sampled_ids)
+            emitted = [[token] for token in sampled_ids.tolist()]
         logprobs = (
             self._sampled_logprobs(raw_logprobs, wants_logprobs, num_logprobs, position_rows, emitted, num_drafts)
             if raw_logprobs is not None
