@@ -1,6 +1,6 @@
 // 16 float32 lanes as each ISA variant holds them, for the kernels written once over them (attention_rows.inc,
 // prefill_tiles.inc): two AVX2 registers, or one AVX-512 register. Each type has zero / load (from float32, bfloat16
-// or float16) / set1 / fmadd / sum / store, and the tile widths its register file affords:
+// or float16) / set1 / fmadd / fold / sum / store, and the tile widths its register file affords:
 //   kSliceVectors  16-lane accumulators per query head in one pass of the decode kernel over the value rows;
 //   kTileVectors   16-lane accumulators per row of a prefill tile (kTileRows rows at once).
 // Every variant computes a.b + c per lane with one fused multiply-add, so a kernel that runs the same chain per
@@ -30,7 +30,8 @@ struct Lanes16 {
   static V load(const scalar_t* p) { return {load8(p), load8(p + 8)}; }
   static V set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-  static float sum(V v) { return horizontal_sum(_mm256_add_ps(v.lo, v.hi)); }
+  static __m256 fold(V v) { return _mm256_add_ps(v.lo, v.hi); }  // lanes i + (i + 8): sum's first step
+  static float sum(V v) { return horizontal_sum(fold(v)); }
   static void store(float* p, V v) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
@@ -57,10 +58,11 @@ struct Lanes16 {
   static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V v) {  // lanes 0-7 plus lanes 8-15, then as AVX2 sums its two halves
+  static __m256 fold(V v) {  // lanes 0-7 plus lanes 8-15, as AVX2 adds its two registers
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    return horizontal_sum(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+    return _mm256_add_ps(_mm512_castps512_ps256(v), hi);
   }
+  static float sum(V v) { return horizontal_sum(fold(v)); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
 }  // namespace engine_cpu::lanes_avx512

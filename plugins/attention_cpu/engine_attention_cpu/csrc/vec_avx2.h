@@ -73,6 +73,25 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(sum);
 }
 
+// out[r] = scale * horizontal_sum(v[r]) for 8 vectors at once, each summed in horizontal_sum's order (lanes i and
+// i + 4, then lanes 0 + 2 and 1 + 3, then those two), so every row gets the bits the one-vector sum gives it: the
+// eight reductions share their shuffles instead of running one dependent chain each.
+inline void horizontal_sums8(const __m256* v, float scale, float* out) {
+  __m256 halves[4];  // [row 2p's four sums | row 2p + 1's]
+  for (int p = 0; p < 4; ++p)
+    halves[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                              _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+  __m256 pairs[2];  // [row 4p's two sums, row 4p + 2's | row 4p + 1's, row 4p + 3's]
+  for (int p = 0; p < 2; ++p)
+    pairs[p] = _mm256_add_ps(_mm256_shuffle_ps(halves[2 * p], halves[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(halves[2 * p], halves[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // sums holds rows 0, 2, 4, 6 | 1, 3, 5, 7
+  const __m256 rows = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_ps(out, _mm256_mul_ps(rows, _mm256_set1_ps(scale)));
+}
+
 // e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes' expf coefficients),
 // 2^n from the exponent bits. About 1 ulp from std::exp on [-87, 88]; x is clamped to that range.
 inline __m256 exp8(__m256 x) {
