@@ -92,8 +92,8 @@ struct Layer {
   double scale, soft_cap;
   int64_t sliding_window;
   torch::Tensor cos, sin;  // RoPE tables [max_position, rotary_dim] float32
-  torch::Tensor kv_cache;  // [2, blocks, kv_heads, block_size, head_size]
-  // its two halves seen token-major, [blocks, block_size, kv_heads, head_size]: made once, not each step
+  // the layer's KV cache [2, blocks, kv_heads, block_size, head_size], its two halves seen token-major as
+  // [blocks, block_size, kv_heads, head_size]: views made once, not each step
   torch::Tensor key_cache, value_cache;
 };
 
@@ -164,7 +164,6 @@ class DecodeGraph {
     layer.sliding_window = sliding_window;
     layer.cos = cos;
     layer.sin = sin;
-    layer.kv_cache = kv_cache;
     layer.key_cache = kv_cache.select(0, 0).transpose(1, 2);
     layer.value_cache = kv_cache.select(0, 1).transpose(1, 2);
     layers_.push_back(std::move(layer));
