@@ -187,11 +187,13 @@ def test_interleaved_layout_gives_the_rows_of_blocks_product(fmt, variant):
     """The SIMD variants read the weight interleaved by groups of 8 rows: a permutation of the blocks' bytes, so the
     product is the rows-of-blocks kernel's up to the order of float additions; a last group padded past N writes
     nothing past N; every row count (1-9, the tiles of 1 and 4 rows and their remainders) gives each row the bits
-    it has alone; the products of one weight share one interleaved copy."""
+    it has alone (one row reads two groups at a time in AVX-512: a pair whose second group is padded, 15 and 60
+    columns, or an odd group left alone, 37 and 129); the products of one weight share one interleaved copy."""
     from engine_attention_cpu.quant import QuantDotProduct, interleaved
 
     emulated = _variant_or_skip(variant)
-    for cols, k in [(8, 32), (37, 64), (129, 160), (64, 1536)] + ([(33, 40)] if fmt == "int8" else []):
+    shapes = [(8, 32), (15, 32), (37, 64), (60, 96), (129, 160), (64, 1536)]
+    for cols, k in shapes + ([(33, 40)] if fmt == "int8" else []):
         weight = quantize(_weight(cols, k, seed=cols), fmt)
         data, scales = interleaved(weight)
         assert data.shape == (-(-cols // 8), -(-k // 32), data.shape[2]) and data.dtype == torch.uint8
