@@ -187,8 +187,8 @@ def test_interleaved_layout_gives_the_rows_of_blocks_product(fmt, variant):
     """The SIMD variants read the weight interleaved by groups of 8 rows: a permutation of the blocks' bytes, so the
     product is the rows-of-blocks kernel's up to the order of float additions; a last group padded past N writes
     nothing past N; every row count (1-9, the tiles of 1 and 4 rows and their remainders) gives each row the bits
-    it has alone (one row reads two groups at a time in AVX-512: a pair whose second group is padded, 15 and 60
-    columns, or an odd group left alone, 37 and 129); the products of one weight share one interleaved copy."""
+    it has alone (AVX-512 reads two groups at a time, in tiles of 1-4 rows: a pair whose second group is padded, 15
+    and 60 columns, or an odd group left alone, 37 and 129); the products of one weight share one interleaved copy."""
     from engine_attention_cpu.quant import QuantDotProduct, interleaved
 
     emulated = _variant_or_skip(variant)

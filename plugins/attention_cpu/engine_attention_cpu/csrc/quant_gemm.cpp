@@ -4,8 +4,8 @@
 // a sum of integer block dot products scaled by both blocks' scales, as llama.cpp computes them. Variants:
 //   scalar      portable C++ (any CPU; the exact integer arithmetic the others are tested against)
 //   avx2        AVX2 + FMA + F16C: vpmaddubsw / vpmaddwd on 32 weights at a time
-//   avx512vnni  the same with vpdpbusd (AVX-512 VNNI on 256-bit vectors; one row of x: two groups of 8 weight rows
-//               at a time in 512-bit vectors, quant_kernel.inc's x16_tile)
+//   avx512vnni  the same with vpdpbusd, two groups of 8 weight rows at a time in 512-bit vectors (quant_kernel.inc's
+//               x16_tile)
 // chosen at run time (and by measurement, in Python) among those the CPU has. The threads of a spin pool
 // (spin_pool.h: no wake-up per call within a decode step) split the output columns; a row's result does not
 // depend on the other rows.
