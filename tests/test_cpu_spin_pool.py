@@ -165,3 +165,65 @@ def test_a_forked_child_builds_its_own_pool():
     done = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "child exit 0" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+FORK_WHILE_REBUILDING_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import threading
+    import time
+
+    import torch
+    from engine.model.quant_formats import quantize
+    from engine_attention_cpu import _quant
+
+    g = torch.Generator().manual_seed(0)
+    weight = _quant.interleave(quantize(torch.randn(64, 64, generator=g) * 0.05, "q4_1").data, None, 1, 64)[0]
+    x = torch.randn(1, 64, generator=g)
+    expected = _quant.forward(x, weight, None, 1, 1, None, 64)
+    stop = threading.Event()
+
+    def rebuild():  # each change of thread count rebuilds the pool (a thread's start or join) inside its guard
+        n = 0
+        while not stop.is_set():
+            torch.set_num_threads(1 + n % 2)
+            _quant.forward(x, weight, None, 1, 1, None, 64)
+            n += 1
+
+    thread = threading.Thread(target=rebuild)
+    thread.start()
+    hung = wrong = 0
+    for _ in range(40):
+        pid = os.fork()
+        if pid == 0:
+            out = _quant.forward(x, weight, None, 1, 1, None, 64)
+            os._exit(0 if torch.equal(out, expected) else 3)
+        deadline = time.monotonic() + 20  # a child that finishes takes milliseconds
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                wrong += os.waitstatus_to_exitcode(status) != 0
+                break
+            if time.monotonic() > deadline:
+                hung += 1
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.005)
+    stop.set()
+    thread.join()
+    print("hung", hung, "wrong", wrong)
+    """
+)
+
+
+def test_a_child_forked_while_another_thread_rebuilds_the_pool_runs_its_kernels():
+    """Found reading the pool's code, then reproduced: a fork while another thread held the guard of the process's
+    pool (inside pool(), where a change of thread count rebuilds it) gave a child whose guard stayed locked, and the
+    child's first kernel waited forever (15 of these 40 forks). A fork now waits for the guard and the child starts
+    with it free."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_REBUILDING_SCRIPT], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hung 0 wrong 0" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -160,17 +160,29 @@ class SpinPool {
   std::mutex run_mutex_;
 };
 
+// The guard of pool()'s instance. A fork waits until no thread holds it, and the child starts with it free
+// (pthread_atfork): a child forked while another thread was inside pool() (rebuilding the pool takes a thread's
+// start or join) had inherited it locked, and its first kernel waited forever (15 of 40 forks in
+// tests/test_cpu_spin_pool.py's check, before).
+inline std::mutex& pool_guard() {
+  static std::mutex guard;
+  static const bool released_across_forks = [] {
+    const auto release = [] { pool_guard().unlock(); };
+    return pthread_atfork([] { pool_guard().lock(); }, release, release) == 0;
+  }();
+  (void)released_across_forks;
+  return guard;
+}
+
 // The process's pool, sized to torch's thread count (rebuilt when that changes, or in a forked child, which has
 // none of its parent's threads).
 inline SpinPool& pool() {
   static std::unique_ptr<SpinPool> instance;
-  static std::mutex guard;
-  std::lock_guard<std::mutex> lock(guard);
+  std::lock_guard<std::mutex> lock(pool_guard());
   const int threads = std::max(1, at::get_num_threads());
-  if (!instance || instance->threads() != threads || !instance->ours()) {
-    if (instance && !instance->ours()) instance.release();  // its threads do not exist here
-    instance = std::make_unique<SpinPool>(threads);
-  }
+  const bool inherited = instance && !instance->ours();
+  if (inherited) instance.release();  // built before a fork: its threads do not exist here
+  if (!instance || instance->threads() != threads) instance = std::make_unique<SpinPool>(threads);
   return *instance;
 }
 
