@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "spin_pool.h"
@@ -155,7 +156,7 @@ static inline __m256i dot_u8s8(__m256i a, __m256i b) {
 static inline __m256i dot_u8s8_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
 static inline __m256i q4_dot_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
 static inline __m256i q4_dot_finish(__m256i acc) { return acc; }
-#define ENGINE_QUANT_ZMM  // one row: two groups at a time in 512-bit vectors (x16_tile)
+#define ENGINE_QUANT_ZMM  // two groups at a time in 512-bit vectors (x16_tile)
 #include "quant_kernel.inc"
 #undef ENGINE_QUANT_ZMM
 }  // namespace avx512vnni
