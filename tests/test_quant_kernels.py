@@ -209,6 +209,26 @@ def test_interleaved_layout_gives_the_rows_of_blocks_product(fmt, variant):
             assert torch.equal(product(x[:rows]), out[:rows]), (fmt, cols, k, rows)
 
 
+@pytest.mark.parametrize("variant", ("avx2", "avx512vnni"))
+@pytest.mark.parametrize("fmt", ("q4_1", "q8_0"))
+def test_a_weight_streamed_past_the_prefetch_threshold_gives_the_same_product(fmt, variant):
+    """A weight of many megabytes (an LM head's): each thread's stream runs longer than kHardwareStreamBytes, where
+    the one-group tiles leave the prefetching to the CPU until the last stretch; the product is still the
+    rows-of-blocks kernel's, and each row has the bits it has alone."""
+    from engine_attention_cpu.quant import QuantDotProduct
+
+    emulated = _variant_or_skip(variant)
+    cols, k = 24584, 512  # 7.9 MB of Q4_1, 13.4 MB of Q8_0; an odd last group of 8 rows
+    weight = quantize(_weight(cols, k, seed=3), fmt)
+    product = QuantDotProduct(weight, None, variant, emulated)
+    rows_of_blocks = QuantDotProduct(weight, None, variant, emulated, interleave=False)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    out = product(x)
+    torch.testing.assert_close(out, rows_of_blocks(x), rtol=1e-5, atol=1e-5)
+    for row in range(3):
+        assert torch.equal(product(x[row : row + 1]), out[row : row + 1]), row
+
+
 @needs_kernels
 def test_interleaved_kernel_refuses_a_layout_of_another_width():
     from engine_attention_cpu import _quant
