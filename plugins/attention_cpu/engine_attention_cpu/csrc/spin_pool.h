@@ -1,7 +1,8 @@
 // A small thread pool for kernels called many times per decode step: its workers spin for a short while after each
 // job (the first 50 us without a system call, then yielding the core to any other runnable thread), so the next
 // product of the step starts without a wake up, then sleep on a condition variable. OpenMP with
-// OMP_WAIT_POLICY=PASSIVE (engine.thread_policy) puts its threads to sleep after every parallel region: 30-60 us to wake them, paid by each of a decode step's products.
+// OMP_WAIT_POLICY=PASSIVE (engine.thread_policy) puts its threads to sleep after every parallel region: 30-60 us to
+// wake them, paid by each of a decode step's products.
 //
 // Joining a job is optional: a job's work is claimed piece by piece by whichever threads take part, and the caller
 // waits only for the workers that joined before it finished. A worker that has no core at that moment (another
