@@ -64,11 +64,10 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
 template <typename scalar_t>
 inline void prefetch_rows_to_l2(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
                                 int64_t stride_tok, int64_t first, int64_t rows, int64_t row_bytes) {
-  for (int64_t t = first; t < first + rows; ++t) {
-    const char* row = reinterpret_cast<const char*>(cache + table[t / block_size] * stride_block +
-                                                    (t % block_size) * stride_tok);
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
-  }
+  for_each_row(cache, table, block_size, stride_block, stride_tok, first, first + rows, 0, 0,
+               [&](int64_t, const scalar_t* row) {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 2);
+  });
 }
 
 // The most an item asks for at once (keys and values together): well within any L2 this runs on.
