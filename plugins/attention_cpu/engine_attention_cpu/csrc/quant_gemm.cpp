@@ -367,9 +367,9 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optiona
     X8Args q{static_cast<int>(format), data.data_ptr<uint8_t>(), nb,
              format == kI8 ? scales->data_ptr<float>() : nullptr, act.xq.data(), act.xd.data(), act.xs.data(), rows,
              nb * kBlock, out.data_ptr<float>(), n, n, rows == 1 ? act.broadcast_words(nb) : nullptr};
-    engine_pool::parallel_stream(data.size(0), 8, [&](int64_t begin, int64_t end, int64_t stream_end) {
-      if (variant == kAvx512Vnni) avx512vnni::run_groups(q, begin, end, stream_end);
-      else avx2::run_groups(q, begin, end, stream_end);
+    engine_pool::parallel_stream(data.size(0), 8, [&](int64_t begin, int64_t end, int64_t stream_end, bool continued) {
+      if (variant == kAvx512Vnni) avx512vnni::run_groups(q, begin, end, stream_end, continued);
+      else avx2::run_groups(q, begin, end, stream_end, continued);
     }, 2);
   } else {
     check_weight(data, scales, format, k);
