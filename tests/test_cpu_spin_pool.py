@@ -65,8 +65,8 @@ SCRIPT = textwrap.dedent(
 
     W = torch.randn(960, 576, generator=g) * 0.05
     Q41, I8 = quantize(W, "q4_1"), quantize(W, "int8")
-    Q41_X8 = _quant.interleave(Q41.data, None, 1, 576)[0]
-    Q80_X8 = _quant.interleave(quantize(W, "q8_0").data, None, 2, 576)[0]
+    Q41_X8 = _quant.interleave(Q41.data, None, 1, 576, False)[0]
+    Q80_X8 = _quant.interleave(quantize(W, "q8_0").data, None, 2, 576, False)[0]
     PANELS = _gemm.pack_weight(W)
     NORM = torch.rand(576, generator=g) + 0.5
     COS, SIN = torch.rand(64, 32, generator=g), torch.rand(64, 32, generator=g)
@@ -142,7 +142,7 @@ FORK_SCRIPT = textwrap.dedent(
 
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
-    weight = _quant.interleave(quantize(torch.randn(960, 576, generator=g) * 0.05, "q4_1").data, None, 1, 576)[0]
+    weight = _quant.interleave(quantize(torch.randn(960, 576, generator=g) * 0.05, "q4_1").data, None, 1, 576, False)[0]
     x = torch.randn(1, 576, generator=g)
     expected = _quant.forward(x, weight, None, 1, 1, None, 960)  # the parent's pool: one worker beside the caller
     pid = os.fork()
@@ -178,7 +178,7 @@ FORK_WHILE_REBUILDING_SCRIPT = textwrap.dedent(
     from engine_attention_cpu import _quant
 
     g = torch.Generator().manual_seed(0)
-    weight = _quant.interleave(quantize(torch.randn(64, 64, generator=g) * 0.05, "q4_1").data, None, 1, 64)[0]
+    weight = _quant.interleave(quantize(torch.randn(64, 64, generator=g) * 0.05, "q4_1").data, None, 1, 64, False)[0]
     x = torch.randn(1, 64, generator=g)
     expected = _quant.forward(x, weight, None, 1, 1, None, 64)
     stop = threading.Event()

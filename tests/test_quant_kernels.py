@@ -181,25 +181,28 @@ def test_variants_agree_and_rows_do_not_depend_on_their_batch(variant):
 
 
 @needs_kernels
-@pytest.mark.parametrize("variant", ("avx2", "avx512vnni"))
+@pytest.mark.parametrize(("variant", "paired"), (("avx2", False), ("avx2", True), ("avx512vnni", True)))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_interleaved_layout_gives_the_rows_of_blocks_product(fmt, variant):
-    """The SIMD variants read the weight interleaved by groups of 8 rows: a permutation of the blocks' bytes, so the
-    product is the rows-of-blocks kernel's up to the order of float additions; a last group padded past N writes
-    nothing past N; every row count (1-9, the tiles of 1 and 4 rows and their remainders) gives each row the bits
-    it has alone (AVX-512 reads two groups at a time, in tiles of 1-4 rows: a pair whose second group is padded, 15
-    and 60 columns, or an odd group left alone, 37 and 129); the products of one weight share one interleaved copy."""
+def test_interleaved_layout_gives_the_rows_of_blocks_product(fmt, variant, paired):
+    """The SIMD variants read the weight interleaved by groups of 8 rows, or two groups side by side (the paired
+    layout, which avx512vnni reads and AVX2 reads too): a permutation of the blocks' bytes, so the product is the
+    rows-of-blocks kernel's up to the order of float additions, and the same bits in either layout; a last group or
+    pair padded past N writes nothing past N; every row count (1-9: AVX2's tiles of 1, 2 and 4 rows and their
+    remainders, AVX-512's of 1-4) gives each row the bits it has alone (a pair whose second group is padded, 15 and 60
+    columns; an odd last group, 37 and 129); the products of one weight share one interleaved copy a layout."""
     from engine_attention_cpu.quant import QuantDotProduct, interleaved
 
     emulated = _variant_or_skip(variant)
+    per_unit = 16 if paired else 8
     shapes = [(8, 32), (15, 32), (37, 64), (60, 96), (129, 160), (64, 1536)]
     for cols, k in shapes + ([(33, 40)] if fmt == "int8" else []):
         weight = quantize(_weight(cols, k, seed=cols), fmt)
-        data, scales = interleaved(weight)
-        assert data.shape == (-(-cols // 8), -(-k // 32), data.shape[2]) and data.dtype == torch.uint8
-        assert (scales is None) == (fmt != "int8") and (scales is None or scales.numel() == data.shape[0] * 8)
-        product = QuantDotProduct(weight, None, variant, emulated)
-        assert product.data.data_ptr() == QuantDotProduct(weight, None, variant, emulated).data.data_ptr()
+        data, scales = interleaved(weight, paired)
+        assert data.shape == (-(-cols // per_unit), -(-k // 32), data.shape[2]) and data.dtype == torch.uint8
+        assert (scales is None) == (fmt != "int8") and (scales is None or scales.numel() == data.shape[0] * per_unit)
+        assert interleaved(weight, paired)[0] is data
+        product = QuantDotProduct(weight, None, variant, emulated, paired=paired)
+        assert product.data is data and QuantDotProduct(weight, None, variant, emulated, paired=paired).data is data
         rows_of_blocks = QuantDotProduct(weight, None, variant, emulated, interleave=False)
         assert rows_of_blocks.data.dim() == 2
         x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
@@ -207,20 +210,22 @@ def test_interleaved_layout_gives_the_rows_of_blocks_product(fmt, variant):
         torch.testing.assert_close(out, rows_of_blocks(x), rtol=1e-5, atol=1e-5)
         for rows in range(1, 10):
             assert torch.equal(product(x[:rows]), out[:rows]), (fmt, cols, k, rows)
+        if variant == "avx2":  # the other layout: the same bits
+            assert torch.equal(QuantDotProduct(weight, None, variant, emulated, paired=not paired)(x), out)
 
 
-@pytest.mark.parametrize("variant", ("avx2", "avx512vnni"))
+@pytest.mark.parametrize(("variant", "paired"), (("avx2", False), ("avx2", True), ("avx512vnni", True)))
 @pytest.mark.parametrize("fmt", ("q4_1", "q8_0"))
-def test_a_weight_streamed_past_the_prefetch_threshold_gives_the_same_product(fmt, variant):
+def test_a_weight_streamed_past_the_prefetch_threshold_gives_the_same_product(fmt, variant, paired):
     """A weight of many megabytes (an LM head's): each thread's stream runs longer than kHardwareStreamBytes, where
     the one-group tiles leave the prefetching to the CPU until the last stretch; the product is still the
     rows-of-blocks kernel's, and each row has the bits it has alone."""
     from engine_attention_cpu.quant import QuantDotProduct
 
     emulated = _variant_or_skip(variant)
-    cols, k = 24584, 512  # 7.9 MB of Q4_1, 13.4 MB of Q8_0; an odd last group of 8 rows
+    cols, k = 24584, 512  # 7.9 MB of Q4_1, 13.4 MB of Q8_0; an odd last group of 8 rows (a pair's padded group)
     weight = quantize(_weight(cols, k, seed=3), fmt)
-    product = QuantDotProduct(weight, None, variant, emulated)
+    product = QuantDotProduct(weight, None, variant, emulated, paired=paired)
     rows_of_blocks = QuantDotProduct(weight, None, variant, emulated, interleave=False)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
     out = product(x)
@@ -234,11 +239,27 @@ def test_interleaved_kernel_refuses_a_layout_of_another_width():
     from engine_attention_cpu import _quant
     from engine_attention_cpu.quant import FORMAT_IDS, interleaved
 
-    data, _ = interleaved(quantize(_weight(16, 64), "q4_1"))
-    with pytest.raises(RuntimeError, match="interleaved weight must be"):
-        _quant.linear(torch.empty(1, 24), torch.randn(1, 64), data, None, FORMAT_IDS["q4_1"], 1, None)
+    for paired in (False, True):
+        data, _ = interleaved(quantize(_weight(16, 64), "q4_1"), paired)
+        with pytest.raises(RuntimeError, match="interleaved weight must be"):
+            _quant.linear(torch.empty(1, 24), torch.randn(1, 64), data, None, FORMAT_IDS["q4_1"], 1, None)
     with pytest.raises(RuntimeError, match="scalar variant"):
         _quant.linear(torch.empty(1, 16), torch.randn(1, 64), data, None, FORMAT_IDS["q4_1"], 0, None)
+
+
+@needs_kernels
+def test_the_avx512_variant_refuses_the_groups_layout():
+    """avx512vnni reads two groups at a time from the paired layout: given the groups' layout (an AVX2 CPU's) the
+    kernel says so, and so does the product asked for it."""
+    from engine_attention_cpu.quant import FORMAT_IDS, QuantDotProduct, _ops, interleaved
+
+    emulated = _variant_or_skip("avx512vnni")
+    weight = quantize(_weight(16, 64), "q4_1")
+    data, _ = interleaved(weight, paired=False)
+    with pytest.raises(RuntimeError, match="reads the paired interleaved layout"):
+        _ops(emulated).linear(torch.empty(1, 16), torch.randn(1, 64), data, None, FORMAT_IDS["q4_1"], 2, None)
+    with pytest.raises(ValueError, match="paired interleaved layout only"):
+        QuantDotProduct(weight, None, "avx512vnni", emulated, paired=False)
 
 
 @needs_kernels

@@ -3,7 +3,8 @@
 - ``QuantDotProduct``: integer block dot products on the packed weight (activations quantized per block of 32),
   in each ISA variant this CPU has: the product of single-stream decoding, which reads 4-8x fewer weight bytes
   than a float32 product. The SIMD variants read the weight interleaved by groups of 8 rows (``interleaved``),
-  so that one block of x meets 8 rows per instruction and a block's dot ends as one lane per row.
+  so that one block of x meets 8 rows per instruction and a block's dot ends as one lane per row; where the CPU has
+  AVX-512 VNNI, two groups side by side (the paired layout: 16 rows per 512-bit instruction, one stream a pair).
 - ``DequantizedGemmProduct``: the weight de-quantized a 16-row panel at a time, in cache, under the float32 GEMM's
   tile: for products with many rows, where the GEMM's arithmetic dominates and the integer dot would be slower.
 
@@ -57,28 +58,40 @@ def unsupported_variant_reason(variant: str, emulated: bool = False) -> Optional
     return None
 
 
-INTERLEAVED_ATTRIBUTE = "_cpu_interleaved"  # where a weight keeps its interleaved copy, shared by its products
+INTERLEAVED_ATTRIBUTE = "_cpu_interleaved"  # where a weight keeps its interleaved copies, shared by its products
 
 
-def interleaved(weight: QuantizedWeight) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The weight's blocks interleaved by groups of 8 rows (``csrc/quant_kernel.inc``) and, for int8, its row scales
-    padded to the groups: made once per weight (every product on it shares the copy, beside the rows of blocks that
-    the de-quantizing GEMM, the scalar variant and the torch reference read)."""
-    cached = getattr(weight, INTERLEAVED_ATTRIBUTE, None)
-    if cached is None:
+def paired_layout_default() -> bool:
+    """Whether this CPU's products read the paired interleaved layout: where it runs the ``avx512vnni`` variant (which
+    reads only that one); AVX2 CPUs keep the groups' layout, which their tiles read fastest."""
+    return variants()["avx512vnni"]
+
+
+def interleaved(weight: QuantizedWeight, paired: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The weight's blocks interleaved by groups of 8 rows, or two groups side by side (``paired``; default: as this
+    CPU's products read them, ``paired_layout_default``), ``csrc/quant_kernel.inc``, and for int8 its row scales padded
+    to the groups or pairs: made once per weight and layout (every product on it shares the copy, beside the rows of
+    blocks that the de-quantizing GEMM, the scalar variant and the torch reference read)."""
+    if paired is None:
+        paired = paired_layout_default()
+    copies = getattr(weight, INTERLEAVED_ATTRIBUTE, None)
+    if copies is None:
+        copies = {}
+        setattr(weight, INTERLEAVED_ATTRIBUTE, copies)
+    if paired not in copies:
         data = weight.data.contiguous()
         scales = None if weight.scales is None else weight.scales.float().contiguous()
-        copy = _ops().interleave(data, scales, FORMAT_IDS[weight.format], weight.shape[1])
+        copy = _ops().interleave(data, scales, FORMAT_IDS[weight.format], weight.shape[1], paired)
         # the step streams it from memory: in huge pages where the worker places weights there (engine.huge_pages)
-        cached = tuple(None if part is None else in_huge_pages(part) for part in copy)
-        setattr(weight, INTERLEAVED_ATTRIBUTE, cached)
-    return cached
+        copies[paired] = tuple(None if part is None else in_huge_pages(part) for part in copy)
+    return copies[paired]
 
 
 class QuantDotProduct:
     """``x @ W.T + bias`` by integer block dot products on the packed weight; returns x's dtype (``emulated``: the
     SIMDe build's kernels, for tests of a variant this CPU lacks; ``interleave=False``: the SIMD variants too read the
-    rows of blocks, as the fused experts do)."""
+    rows of blocks, as the fused experts do; ``paired``: the interleaved layout avx2 reads, by default this CPU's,
+    ``paired_layout_default``; avx512vnni reads the paired one only)."""
 
     def __init__(
         self,
@@ -87,6 +100,7 @@ class QuantDotProduct:
         variant: str,
         emulated: bool = False,
         interleave: bool = True,
+        paired: Optional[bool] = None,
     ) -> None:
         reason = unsupported_variant_reason(variant, emulated)
         if reason:
@@ -98,7 +112,11 @@ class QuantDotProduct:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         # what the kernel reads: the SIMD variants, the interleaved copy; the scalar one, the rows of blocks
         rows_of_blocks = variant == "scalar" or not interleave
-        self.data, self.scales = (weight.data, weight.scales) if rows_of_blocks else interleaved(weight)
+        if variant == "avx512vnni":  # (its emulation too, on a CPU whose own products read the groups' layout)
+            if paired is False:
+                raise ValueError("the avx512vnni variant reads the paired interleaved layout only")
+            paired = True
+        self.data, self.scales = (weight.data, weight.scales) if rows_of_blocks else interleaved(weight, paired)
         # one C++ call per product (reshape, allocation and dtype in C++): a decode step makes 120 of them
         self._forward = functools.partial(
             _ops(emulated).forward,

@@ -4,8 +4,8 @@
 // a sum of integer block dot products scaled by both blocks' scales, as llama.cpp computes them. Variants:
 //   scalar      portable C++ (any CPU; the exact integer arithmetic the others are tested against)
 //   avx2        AVX2 + FMA + F16C: vpmaddubsw / vpmaddwd on 32 weights at a time
-//   avx512vnni  the same with vpdpbusd, two groups of 8 weight rows at a time in 512-bit vectors (quant_kernel.inc's
-//               x16_tile)
+//   avx512vnni  the same with vpdpbusd, a pair of groups of 8 weight rows at a time in 512-bit vectors
+//               (quant_kernel.inc's x16_tile)
 // chosen at run time (and by measurement, in Python) among those the CPU has. The threads of a spin pool
 // (spin_pool.h: no wake-up per call within a decode step) split the output columns; a row's result does not
 // depend on the other rows.
@@ -66,19 +66,21 @@ struct alignas(32) BroadcastWord {
   int32_t lanes[8];
 };
 
-// A product on the interleaved layout (interleave()): [groups][nb][x8 block bytes], groups of 8 weight rows.
+// A product on an interleaved layout (interleave()): [groups][nb][x8 block bytes], groups of 8 weight rows, or
+// [pairs][nb][pair block bytes], pairs of groups side by side (`paired`).
 struct X8Args {
   int format;
   const uint8_t* weight;
   int64_t nb;             // blocks per row
-  const float* scales;    // int8: per output row, padded to whole groups; else null
+  const float* scales;    // int8: per output row, padded to whole units (groups or pairs); else null
   const int8_t* xq;       // [rows][nb * 32]
   const float* xd;        // [rows][nb]
   const float* xs;        // [rows][nb]: xd * sum of the block's xq
   int64_t rows, ldq;
   float* out;
-  int64_t ldo, n;         // n: the output columns kept (the last group's padding rows are not written)
+  int64_t ldo, n;         // n: the output columns kept (the last unit's padding rows are not written)
   const BroadcastWord* x_words;  // one row: its nb * 8 words of xq, each broadcast (QuantizedRows::broadcast_words)
+  bool paired;
 };
 
 static inline float half_to_float(const uint8_t* p) {
@@ -156,7 +158,7 @@ static inline __m256i dot_u8s8(__m256i a, __m256i b) {
 static inline __m256i dot_u8s8_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
 static inline __m256i q4_dot_acc(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
 static inline __m256i q4_dot_finish(__m256i acc) { return acc; }
-#define ENGINE_QUANT_ZMM  // two groups at a time in 512-bit vectors (x16_tile)
+#define ENGINE_QUANT_ZMM  // a pair of groups at a time in 512-bit vectors (x16_tile)
 #include "quant_kernel.inc"
 #undef ENGINE_QUANT_ZMM
 }  // namespace avx512vnni
@@ -275,6 +277,8 @@ void check_weight(const torch::Tensor& data, const c10::optional<torch::Tensor>&
   }
 }
 
+// A group's block in the interleaved layout (quant_kernel.inc): 8 rows' scales (and Q4_1's minimums), then their
+// quants; a pair's block in the paired layout is twice as long.
 int64_t x8_block_bytes(int format) {
   switch (format) {
     case kQ4_0: return 144;
@@ -284,34 +288,42 @@ int64_t x8_block_bytes(int format) {
   }
 }
 
-// The weight's rows [N, nb * block bytes] (int8: with scales [N]) in the interleaved layout [ceil(N / 8)][nb][x8 block
-// bytes] that the SIMD variants read (quant_kernel.inc), rows past N zero; int8's scales padded to whole groups.
+// The weight's rows [N, nb * block bytes] (int8: with scales [N]) in the interleaved layout that the SIMD variants
+// read (quant_kernel.inc): [ceil(N / 8)][nb][x8 block bytes], or `paired`, [ceil(N / 16)][nb][2 x8 block bytes];
+// rows past N zero; int8's scales padded to whole units.
 std::tuple<torch::Tensor, c10::optional<torch::Tensor>> interleave(torch::Tensor data,
                                                                     c10::optional<torch::Tensor> scales,
-                                                                    int64_t format, int64_t in_features) {
+                                                                    int64_t format, int64_t in_features, bool paired) {
   check_weight(data, scales, format, in_features);
-  const int64_t n = data.size(0), nb = (in_features + kBlock - 1) / kBlock, groups = (n + 7) / 8;
-  const int64_t bytes = block_bytes(static_cast<int>(format)), xb = x8_block_bytes(static_cast<int>(format));
-  torch::Tensor out = torch::zeros({groups, nb, xb}, data.options().dtype(torch::kUInt8));
+  const int64_t per_unit = paired ? 16 : 8;  // weight rows
+  const int64_t n = data.size(0), nb = (in_features + kBlock - 1) / kBlock, units = (n + per_unit - 1) / per_unit;
+  const int64_t bytes = block_bytes(static_cast<int>(format));
+  const int64_t ub = x8_block_bytes(static_cast<int>(format)) * (paired ? 2 : 1);
+  torch::Tensor out = torch::zeros({units, nb, ub}, data.options().dtype(torch::kUInt8));
   const uint8_t* src = static_cast<const uint8_t*>(data.data_ptr());
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t head = format == kQ4_1 ? 4 : format == kI8 ? 0 : 2;  // bytes before a block's quants
-  const int64_t head_x8 = format == kQ4_1 ? 32 : format == kI8 ? 0 : 16, words = (format == kQ4_0 || format == kQ4_1) ? 4 : 8;
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+  // a unit's scales d (2 bytes a row), Q4_1's minimums m after them, then its vectors (32 bytes a group)
+  const int64_t unit_head = (format == kQ4_1 ? 32 : format == kI8 ? 0 : 16) * (paired ? 2 : 1);
+  const int64_t m_at = per_unit * 2, vector_bytes = paired ? 64 : 32;
+  const int64_t words = (format == kQ4_0 || format == kQ4_1) ? 4 : 8;
+  at::parallel_for(0, units, 8, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u)
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* o = dst + (g * nb + b) * xb;
-        for (int64_t c = 0; c < 8 && g * 8 + c < n; ++c) {
-          const uint8_t* blk = src + (g * 8 + c) * data.size(1) + b * bytes;
-          if (format != kI8) std::memcpy(o + 2 * c, blk, 2);            // d
-          if (format == kQ4_1) std::memcpy(o + 16 + 2 * c, blk + 2, 2);  // m
-          for (int64_t t = 0; t < words; ++t) std::memcpy(o + head_x8 + 32 * t + 4 * c, blk + head + 4 * t, 4);
+        uint8_t* o = dst + (u * nb + b) * ub;
+        for (int64_t c = 0; c < per_unit && u * per_unit + c < n; ++c) {  // row c: group c / 8, its row c % 8
+          const uint8_t* blk = src + (u * per_unit + c) * data.size(1) + b * bytes;
+          const int64_t group = c / 8, row = c % 8;
+          if (format != kI8) std::memcpy(o + 2 * c, blk, 2);              // d
+          if (format == kQ4_1) std::memcpy(o + m_at + 2 * c, blk + 2, 2);  // m
+          for (int64_t t = 0; t < words; ++t)
+            std::memcpy(o + unit_head + vector_bytes * t + 32 * group + 4 * row, blk + head + 4 * t, 4);
         }
       }
   });
   c10::optional<torch::Tensor> padded;
   if (format == kI8) {
-    padded = torch::zeros({groups * 8}, scales->options());
+    padded = torch::zeros({units * per_unit}, scales->options());
     padded->narrow(0, 0, n).copy_(*scales);
   }
   return {out, padded};
@@ -341,8 +353,8 @@ struct QuantizedRows {
   }
 };
 
-// data: a weight's rows of blocks [N, row bytes] (any variant), or its interleaved layout [groups, nb, x8 block
-// bytes] (SIMD variants; out's width says N).
+// data: a weight's rows of blocks [N, row bytes] (any variant), or an interleaved layout [groups, nb, x8 block bytes]
+// or [pairs, nb, 2 x8 block bytes] (SIMD variants; avx512vnni the paired one; out's width says N).
 void linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
             int64_t format, int64_t variant, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 2-D");
@@ -358,19 +370,28 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor data, c10::optiona
     TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.scalar_type() == torch::kUInt8,
                 "interleaved weight: contiguous uint8 on the CPU");
     TORCH_CHECK(format == kI8 || k % kBlock == 0, "in_features must be a multiple of 32 for GGUF blocks");
-    TORCH_CHECK(data.size(0) == (n + 7) / 8 && data.size(1) == nb && data.size(2) == x8_block_bytes(static_cast<int>(format)),
-                "interleaved weight must be [ceil(N / 8), nb, ", x8_block_bytes(static_cast<int>(format)), "] for N = ", n);
+    const int64_t xb = x8_block_bytes(static_cast<int>(format));
+    const bool paired = data.size(2) == 2 * xb;  // (no format's pair block is another's group block)
+    const int64_t per_unit = paired ? 16 : 8;
+    TORCH_CHECK(data.size(1) == nb && (data.size(2) == xb || paired) && data.size(0) == (n + per_unit - 1) / per_unit,
+                "interleaved weight must be [ceil(N / 8), nb, ", xb, "] or, paired, [ceil(N / 16), nb, ", 2 * xb,
+                "] for N = ", n);
+    TORCH_CHECK(paired || variant != kAvx512Vnni, "the avx512vnni variant reads the paired interleaved layout");
     if (format == kI8)
       TORCH_CHECK(scales.has_value() && scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() &&
-                      scales->numel() == data.size(0) * 8, "interleaved int8 weights need float32 scales padded to groups");
+                      scales->numel() == data.size(0) * per_unit,
+                  "interleaved int8 weights need float32 scales padded to whole units");
     act.fill(x.data_ptr<float>(), rows, k, nb);
     X8Args q{static_cast<int>(format), data.data_ptr<uint8_t>(), nb,
              format == kI8 ? scales->data_ptr<float>() : nullptr, act.xq.data(), act.xd.data(), act.xs.data(), rows,
-             nb * kBlock, out.data_ptr<float>(), n, n, rows == 1 ? act.broadcast_words(nb) : nullptr};
-    engine_pool::parallel_stream(data.size(0), 8, [&](int64_t begin, int64_t end, int64_t stream_end, bool continued) {
+             nb * kBlock, out.data_ptr<float>(), n, n,
+             rows == 1 && variant != kAvx512Vnni ? act.broadcast_words(nb) : nullptr,  // (AVX2's one-row tiles)
+             paired};
+    engine_pool::parallel_stream(data.size(0), 64 / per_unit, [&](int64_t begin, int64_t end, int64_t stream_end,
+                                                                 bool continued) {
       if (variant == kAvx512Vnni) avx512vnni::run_groups(q, begin, end, stream_end, continued);
       else avx2::run_groups(q, begin, end, stream_end, continued);
-    }, 2);
+    }, paired ? 1 : 2);  // the groups' layout in whole pairs of groups a thread, as it was measured
   } else {
     check_weight(data, scales, format, k);
     TORCH_CHECK(data.size(0) == n, "out must be [rows, out_features]");
@@ -605,8 +626,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &engine_quant::dequantize_rows, "ids [T] -> rows ids of W, de-quantized: [T, K] float32",
         py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("in_features"), py::arg("ids"));
   m.def("interleave", &engine_quant::interleave,
-        "(rows of blocks, int8 scales, format, in_features) -> (the interleaved layout, int8 scales padded to groups)",
-        py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("in_features"));
+        "(rows of blocks, int8 scales, format, in_features, paired) -> (the interleaved layout, int8 scales padded to "
+        "whole units)",
+        py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("in_features"), py::arg("paired"));
   m.def("dequantized_forward", &engine_quant::dequantized_forward,
         "x [..., K] -> x @ W.T (+ bias padded to 16) [..., N] in x's dtype, W de-quantized a panel at a time",
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("format"), py::arg("bias"), py::arg("out_features"),
