@@ -306,3 +306,32 @@ def run_script(script, timeout: float):
     )
     assert result.returncode == 0, result.stderr
     return result
+
+
+def test_a_process_that_lives_for_one_engine_ends_without_the_collectors_passes(tmp_path):
+    """An engine core, worker, API server or ``engine`` command keeps its start-up freeze through shutdown and
+    freezes every object at exit, after the other exit hooks, so the interpreter's finalization has nothing
+    to collect (it walked every object of torch and transformers: most of an engine core's stop)."""
+    script = tmp_path / "ends.py"
+    script.write_text("""
+import atexit
+import gc
+
+def report():  # registered first: runs after every other exit hook
+    print("at exit: tracked", len(gc.get_objects()), "frozen", gc.get_freeze_count(), flush=True)
+
+atexit.register(report)
+from engine.lifetime import end_engine_process_quickly, freeze_gc_heap, release_gc_heap
+
+end_engine_process_quickly()
+freeze_gc_heap()
+frozen = gc.get_freeze_count()
+release_gc_heap()
+print("freeze kept through shutdown", gc.get_freeze_count() == frozen > 0, flush=True)
+atexit.register(lambda: print("a shutdown hook runs first", flush=True))
+garbage = [[n] for n in range(5000)]
+""")
+    lines = run_script(script, timeout=60).stdout.splitlines()
+    assert lines[:2] == ["freeze kept through shutdown True", "a shutdown hook runs first"], lines
+    words = lines[2].split()
+    assert words[:3] == ["at", "exit:", "tracked"] and int(words[3]) < 100 and int(words[5]) > 5000, lines

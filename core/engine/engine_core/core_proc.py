@@ -16,6 +16,7 @@ from engine.data_parallel.prefix_summary import PrefixSummary, summary_bits
 from engine.engine_core.engine_core import EngineCore
 from engine.lifetime import (
     continue_when_parent_dies,
+    end_engine_process_quickly,
     exit_on_sigterm,
     remove_ipc_dir,
     set_process_name,
@@ -194,6 +195,7 @@ class EngineCoreProc(EngineCore):
         """Process entry point: ends with its parent from the first instant (loading included); removes the
         IPC folder when its parent is gone (a living parent removes it itself once it stops its cores)."""
         exit_on_sigterm()
+        end_engine_process_quickly()
         size = vllm_config.parallel.data_parallel_size
         set_process_name("EngineCore" if size == 1 else f"EngineCore_DP{vllm_config.parallel.data_parallel_rank}")
         continue_when_parent_dies()  # a core its parent paused (SIGSTOP) still ends with it

@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The ``engine`` command: its process ends when the command does (so it ends without the garbage collector's
+    passes, ``end_engine_process_quickly``)."""
+    from engine.lifetime import end_engine_process_quickly
+
+    end_engine_process_quickly()
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
     try:

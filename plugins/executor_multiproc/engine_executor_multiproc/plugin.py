@@ -24,7 +24,13 @@ from typing import Any, Optional
 from engine import hookimpl
 from engine.errors import EngineDeadError
 from engine.interfaces.executor import Executor
-from engine.lifetime import describe_exit, start_process, use_thread_lock_for_progress_bars, watch_parent
+from engine.lifetime import (
+    describe_exit,
+    end_engine_process_quickly,
+    start_process,
+    use_thread_lock_for_progress_bars,
+    watch_parent,
+)
 
 ENGINE_CONTRACT_VERSION = "1.0"
 logger = logging.getLogger(__name__)
@@ -44,6 +50,7 @@ def worker_main(
     """A worker process: build the Worker, then serve calls until told to stop or the parent goes (it is
     watched from the first instant, so a parent killed while this worker loads takes it along)."""
     watch_parent(parent_pid, f"worker rank {rank}")
+    end_engine_process_quickly()
     use_thread_lock_for_progress_bars()
     logging.basicConfig(
         level=log_level, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S"

@@ -27,6 +27,7 @@ from engine.entrypoints.openai.metrics import MULTIPROC_DIR_ENV
 from engine.frontend.core_client import RemoteEngines
 from engine.lifetime import (
     describe_exit,
+    end_engine_process_quickly,
     remove_ipc_dir,
     set_process_name,
     start_process,
@@ -47,6 +48,7 @@ def run_api_server_process(
     import sys
 
     set_process_name(f"APIServer_{remote.client_index}")
+    end_engine_process_quickly()
     watch_parent(parent_pid, f"API server {remote.client_index}")  # SIGTERM: uvicorn drains and exits
     logging.basicConfig(
         level=logging.WARNING,
