@@ -421,7 +421,8 @@ def test_serve_bench_against_a_live_server(tiny_llama, tmp_path):
 
 def test_servers_side_by_side_share_the_load_and_leave_no_process(tiny_llama):
     """The --compare-peer serve machinery on two launches of `engine serve` (vLLM is not installed here): each
-    server starts, is driven at every rate, and stops with every process it started."""
+    server starts, is driven at the rate, and stops with every process it started (one rate: every rate is a
+    launch of its own, about 10 s here)."""
     import psutil
 
     from engine_bench.serve_compare import compare_servers, engine_server
@@ -431,13 +432,8 @@ def test_servers_side_by_side_share_the_load_and_leave_no_process(tiny_llama):
     first, second = engine_server(overrides), engine_server(overrides)
     second.label = "engine again"
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    rows = compare_servers([first, second], random_workload(6, 12, 5), [50.0, float("inf")])
-    assert [(r["server"], r["request_rate"]) for r in rows] == [
-        ("engine", 50.0),
-        ("engine", float("inf")),
-        ("engine again", 50.0),
-        ("engine again", float("inf")),
-    ]
+    rows = compare_servers([first, second], random_workload(6, 12, 5), [50.0])
+    assert [(r["server"], r["request_rate"]) for r in rows] == [("engine", 50.0), ("engine again", 50.0)]
     assert all(r["completed"] == 6 and r["failed"] == 0 and r["ttft_ms"]["p99"] > 0 for r in rows)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
