@@ -49,19 +49,25 @@ def release_gc_heap() -> None:
     gc.collect()
 
 
-def end_engine_process_quickly() -> None:
-    """Called first by a process that lives for one engine (an engine core, a worker, an API server, the ``engine``
-    command): it ends without the garbage collector's passes. ``release_gc_heap`` then leaves the start-up freeze
-    in place, and the last exit hook freezes every object, so the collections of the interpreter's finalization,
-    which would otherwise walk every object of torch, transformers and the model, have nothing to walk (0.7-0.9 s
-    of every stop of an engine core on a 2-core CPU, before its parent's ``join`` returns). Exit hooks run last
-    registered first: this one, registered first, runs after every shutdown hook."""
+def freeze_everything_at_exit() -> None:
+    """Called first by a process of the engine's own (the ``engine`` command, ``end_engine_process_quickly``): its
+    last exit hook freezes every object, so the collections of the interpreter's finalization, which would
+    otherwise walk every object of torch, transformers and the model, have nothing to walk (0.7-0.9 s of every stop
+    of an engine core on a 2-core CPU, before its parent's ``join`` returns). Exit hooks run last registered first:
+    this one, registered first, runs after every shutdown hook."""
     import gc
 
+    atexit.unregister(gc.freeze)  # (once, whoever calls it again)
+    atexit.register(gc.freeze)
+
+
+def end_engine_process_quickly() -> None:
+    """Called first by a process that lives for one engine (an engine core, a worker, an API server): it ends
+    without the garbage collector's passes. ``release_gc_heap`` leaves the start-up freeze in place (no second
+    engine will need the memory), and ``freeze_everything_at_exit`` does the rest."""
     global _ENGINE_OWNS_PROCESS
-    if not _ENGINE_OWNS_PROCESS:
-        _ENGINE_OWNS_PROCESS = True
-        atexit.register(gc.freeze)
+    _ENGINE_OWNS_PROCESS = True
+    freeze_everything_at_exit()
 
 
 def watch_parent(parent_pid: int, name: str, cleanup: Optional[Callable[[], None]] = None) -> threading.Thread:

@@ -164,11 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The ``engine`` command: its process ends when the command does (so it ends without the garbage collector's
-    passes, ``end_engine_process_quickly``)."""
-    from engine.lifetime import end_engine_process_quickly
+    """The ``engine`` command: its process ends when the command does (``freeze_everything_at_exit``; a command
+    may build several engines in turn, so each one's shutdown still releases its heap)."""
+    from engine.lifetime import freeze_everything_at_exit
 
-    end_engine_process_quickly()
+    freeze_everything_at_exit()
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
     try:
