@@ -143,6 +143,92 @@ def test_a_corrupt_cache_file_is_measured_again(cache_home):
     assert choose_products(shapes, candidates([]), torch.float32, torch.float32).source == "measured"
 
 
+class CacheModel:
+    """What the caches hold, as the timing of the candidates below sees it: a candidate that writes a large output
+    (the de-quantizing product writes its whole float weight) leaves dirty lines, and the next product run pays for
+    writing them back; the flush (reading an array twice the cache) leaves the caches clean."""
+
+    def __init__(self):
+        self.dirty = False
+        self.events = []
+
+
+def dirtying_candidates(cache: CacheModel):
+    def product(name, extra_work, dirties):
+        def run(x, w):
+            cache.events.append(name)
+            for _ in range(extra_work + (40 if cache.dirty else 0)):  # the write-back of what was left dirty
+                x @ w.T
+            cache.dirty = dirties
+            return x @ w.T
+
+        return lambda w, b: lambda x: run(x, w)
+
+    # as the cpu layer kernels list them: the widest integer kernel, then the AVX2 one, then the de-quantizing one
+    return [
+        ProductCandidate("widest", product("widest", 0, False)),
+        ProductCandidate("avx2", product("avx2", 8, False)),
+        ProductCandidate("dequant", product("dequant", 60, True)),
+    ]
+
+
+def test_each_candidate_of_a_large_shape_is_timed_from_the_same_caches(cache_home, monkeypatch):
+    """Found on SmolLM2's Q8_0 LM head (49152 x 576, AVX-512): the widest kernel, listed first, was always timed right
+    after the de-quantizing candidate had written 113 MB of floats, and lost to the AVX2 kernel (61 against 81
+    GFLOP/s), though it is the faster one in a decode step (the logits 0.63-1.01 against 0.92-1.16 ms a step, three
+    runs each). Each candidate's runs now start after a flush of the last-level cache, so none pays for what the one
+    before it left there."""
+    cache = CacheModel()
+    original_flush = product_choice.CacheFlush.__call__
+
+    def recorded_flush(self):
+        original_flush(self)
+        cache.events.append("flush")
+        cache.dirty = False
+
+    monkeypatch.setattr(product_choice.CacheFlush, "__call__", recorded_flush)
+    monkeypatch.setattr(product_choice, "last_level_cache_bytes", lambda: 64 * 96 * 4 * 2)  # the 96 x 64 fills half
+    large, small = ProductShape(96, 64), ProductShape(48, 64)
+    assert product_choice.shape_fills_cache(large, 64 * 96 * 4 * 2)
+    assert not product_choice.shape_fills_cache(small, 64 * 96 * 4 * 2)
+
+    table = choose_products([large], dirtying_candidates(cache), torch.float32, torch.float32)
+    assert table.choices[large.key].chosen["single"] == "widest"
+    runs = [event for event in cache.events if event != "flush"]
+    assert runs and set(runs) == {"widest", "avx2", "dequant"}
+    # no candidate's runs follow another candidate's without a flush between them
+    for before, after in zip(cache.events, cache.events[1:]):
+        assert before == "flush" or after in ("flush", before), cache.events
+
+    # the same measurement without the flushes shows what they prevent: the widest kernel, after the dirty writes
+    # (of the previous bucket's de-quantizing runs, then of each round's), is timed as the slower one; one call a
+    # timed run, as for a weight whose call takes most of the budget (the LM head's took a quarter of it)
+    cache.events.clear()
+    cache.dirty = True
+    seconds = product_choice.time_candidates(
+        {c.name: c.make(torch.randn(96, 64), None) for c in dirtying_candidates(cache)}, torch.randn(1, 64), budget_s=0
+    )
+    assert seconds["widest"] > seconds["avx2"]
+
+    # a shape whose candidates fit in the cache many times over is timed without flushes (each costs milliseconds)
+    cache.events.clear()
+    choose_products([small], dirtying_candidates(cache), torch.float32, torch.float32)
+    assert "flush" not in cache.events
+
+
+def test_the_last_level_cache_size_is_read_from_sysfs(tmp_path):
+    for index, (level, size) in enumerate([(1, "32K"), (1, "32K"), (2, "1024K"), (3, "32768K")]):
+        entry = tmp_path / f"index{index}"
+        entry.mkdir()
+        (entry / "level").write_text(f"{level}\n")
+        (entry / "size").write_text(f"{size}\n")
+    assert product_choice.last_level_cache_bytes(str(tmp_path)) == 32 * 2**20
+    (tmp_path / "index3" / "size").write_text("1M\n")  # the unit the kernel prints for some caches
+    assert product_choice.last_level_cache_bytes(str(tmp_path)) == 2**20
+    missing = str(tmp_path / "none")
+    assert product_choice.last_level_cache_bytes(missing) == product_choice.FALLBACK_CACHE_BYTES
+
+
 def test_a_candidate_that_cannot_run_here_is_left_out(cache_home):
     def refuses(weight, bias):
         raise RuntimeError("this CPU lacks the instructions")

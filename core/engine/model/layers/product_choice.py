@@ -29,8 +29,10 @@ from engine.model.quant_formats import quantize
 
 logger = logging.getLogger(__name__)
 
-CHOICE_VERSION = 2  # bump when the measurement changes meaning: old cache entries are then ignored
+CHOICE_VERSION = 3  # bump when the measurement changes meaning: old cache entries are then ignored
 SWITCH_MARGIN = 0.10  # another candidate must be this much faster than the first-listed one to replace it
+FALLBACK_CACHE_BYTES = 32 * 2**20  # the last-level cache assumed where sysfs does not say
+MAX_FLUSH_BYTES = 512 * 2**20  # the flush array's cap (a server's L3 can be hundreds of MiB)
 
 
 @dataclass(frozen=True)
@@ -164,19 +166,70 @@ def cache_dir() -> str:
     return engine_cache_dir("products")
 
 
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of the largest cache the first core reads through (its last level, usually L3), from sysfs;
+    ``FALLBACK_CACHE_BYTES`` where the kernel does not say."""
+    largest = 0
+    try:
+        entries = os.listdir(sysfs)
+    except OSError:
+        return FALLBACK_CACHE_BYTES
+    for entry in entries:
+        try:
+            with open(os.path.join(sysfs, entry, "size")) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+        if number.isdigit():
+            largest = max(largest, int(number) * unit)
+    return largest or FALLBACK_CACHE_BYTES
+
+
+class CacheFlush:
+    """Reads an array twice the last-level cache, so that what the caches hold afterwards is the same (clean lines
+    of that array) whatever ran before: a candidate timed after one that wrote a large output (the de-quantizing
+    product writes its whole float weight) otherwise pays for writing those dirty lines back."""
+
+    def __init__(self, cache_bytes: Optional[int] = None):
+        size = 2 * (cache_bytes or last_level_cache_bytes())
+        self.array = torch.ones(min(size, MAX_FLUSH_BYTES) // 4)
+
+    def __call__(self) -> None:
+        self.array.sum()
+
+
+def shape_fills_cache(shape: ProductShape, cache_bytes: int) -> bool:
+    """Whether the candidates' data for ``shape`` (its weight in float32: the float panels, or the whole weight a
+    de-quantizing product writes) is at least half the last-level cache, so that one candidate's run changes what
+    the next finds there. Smaller shapes are timed without flushes (each costs milliseconds)."""
+    return 4 * shape.out_features * shape.in_features >= cache_bytes // 2
+
+
 def time_candidates(
-    products: dict[str, PackedProduct], x: torch.Tensor, rounds: int = 3, budget_s: float = 0.004
+    products: dict[str, PackedProduct],
+    x: torch.Tensor,
+    rounds: int = 3,
+    budget_s: float = 0.004,
+    flush: Optional[Callable[[], None]] = None,
 ) -> dict[str, float]:
     """Seconds per call of each product (the best of ``rounds`` interleaved rounds, so a busy neighbour or a
-    frequency change hits every candidate alike and the minimum filters it out)."""
+    frequency change hits every candidate alike and the minimum filters it out). ``flush`` (a
+    :class:`CacheFlush`), where given, runs before each candidate's warm-up and each of its timed runs: every
+    candidate then starts from the same caches, not from what the one before it left there."""
     best = {}
     for name, product in products.items():  # warm-up: first-call allocations and oneDNN's primitive cache
+        if flush is not None:
+            flush()
         start = time.perf_counter()
         product(x)
         best[name] = time.perf_counter() - start
     reps = {name: max(1, min(50, int(budget_s / max(t, 1e-6)))) for name, t in best.items()}
     for _ in range(rounds):
         for name, product in products.items():
+            if flush is not None:
+                flush()
             start = time.perf_counter()
             for _ in range(reps[name]):
                 product(x)
@@ -200,9 +253,11 @@ def measure_shape(
     weight_dtype: torch.dtype,
     generator: torch.Generator,
     weight_format: Optional[str] = None,
+    flush: Optional[Callable[[], None]] = None,
 ) -> ProductChoice:
     """Time every candidate that takes this weight at each bucket's row count (on a weight quantized to
-    ``weight_format`` when given: the candidates are then products on packed weights)."""
+    ``weight_format`` when given: the candidates are then products on packed weights; ``flush``: see
+    :func:`time_candidates`)."""
     weight: Any = (torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.05).to(weight_dtype)
     if weight_format is not None:
         weight = quantize(weight, weight_format)
@@ -220,7 +275,7 @@ def measure_shape(
         if shape.is_head and bucket.measured_rows > ROW_BUCKETS[1].measured_rows:
             continue
         x = torch.randn(bucket.measured_rows, shape.in_features, generator=generator).to(dtype)
-        seconds = time_candidates(products, x)
+        seconds = time_candidates(products, x, flush=flush)
         flop = 2.0 * bucket.measured_rows * shape.out_features * shape.in_features
         choice.gflops[bucket.name] = {name: flop / s / 1e9 for name, s in seconds.items()}
         choice.chosen[bucket.name] = pick_fastest(seconds, preferred=next(iter(products), None))
@@ -259,9 +314,22 @@ def choose_products(
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     choices = {}
+    cache_bytes = last_level_cache_bytes()
+    flush: Optional[CacheFlush] = None
     for shape in shapes:
-        if shape.key not in choices:
-            choices[shape.key] = measure_shape(shape, candidates, dtype, weight_dtype, generator, weight_format)
+        if shape.key in choices:
+            continue
+        if flush is None and shape_fills_cache(shape, cache_bytes):
+            flush = CacheFlush(cache_bytes)
+        choices[shape.key] = measure_shape(
+            shape,
+            candidates,
+            dtype,
+            weight_dtype,
+            generator,
+            weight_format,
+            flush=flush if shape_fills_cache(shape, cache_bytes) else None,
+        )
     table = ProductTable(choices, "measured", time.perf_counter() - start, key)
     _write_cache(path, table)
     return table
