@@ -193,7 +193,16 @@ class Server:
     """`engine serve` in a subprocess on a free loopback port, its output in a log file; ``env`` adds variables to
     this process's (a value of None removes one)."""
 
-    def __init__(self, *args: str, env: dict | None = None, wait_healthy: bool = True, port: int | None = None):
+    def __init__(
+        self,
+        *args: str,
+        env: dict | None = None,
+        wait_healthy: bool = True,
+        port: int | None = None,
+        process_group: bool = False,
+    ):
+        """``process_group``: the server leads a process group of its own, as a command started from a terminal
+        does (its children join it), so that a test can signal the whole group as the terminal's Ctrl-C does."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/engine-serve-{self.port}.log"
@@ -203,6 +212,7 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
+            start_new_session=process_group,
         )
         if wait_healthy:
             self.wait_for(200)
@@ -279,7 +289,7 @@ def rounded_copy(hf_model, fmt: str = "int8", experts_only: bool = False, keep: 
     return rounded
 
 
-def tiny_server(model_dir: str, *flags: str, kv_cache_memory: str = "32MiB") -> Server:
+def tiny_server(model_dir: str, *flags: str, kv_cache_memory: str = "32MiB", process_group: bool = False) -> Server:
     """`engine serve` on a tiny float32 model served as ``tiny`` (context 512), with ``flags`` added."""
     return Server(
         "--model",
@@ -293,4 +303,5 @@ def tiny_server(model_dir: str, *flags: str, kv_cache_memory: str = "32MiB") -> 
         "--max-model-len",
         "512",
         *flags,
+        process_group=process_group,
     )

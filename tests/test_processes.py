@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -289,6 +290,31 @@ print("tokens", out[0].outputs[0].token_ids, flush=True)
         except psutil.NoSuchProcess:
             pass
     assert wait_until(lambda: not alive(children), timeout=30), alive(children)
+
+
+def test_ctrl_c_in_a_terminal_stops_engine_serve_in_order(tiny_llama):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the engine core and the tensor-parallel
+    workers get it as well as the API server. Found: the engine core died of a KeyboardInterrupt in its loop, the
+    server took that for a crash ("engine core failed: KeyboardInterrupt: : restarting it in 1 s"), and the server
+    ended on a KeyboardInterrupt traceback with exit status -2. Now the processes the engine started leave the
+    interrupt to their parent, which stops them in order, and the server ends with status 0."""
+    from tests.helpers import tiny_server
+
+    server = tiny_server(tiny_llama, "--tensor-parallel-size", "2", process_group=True)
+    try:
+        reply = httpx.post(
+            server.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+        children = server.descendants()
+        assert len(children) >= 3, children  # the engine core and its two workers
+        os.killpg(server.proc.pid, signal.SIGINT)
+        assert server.proc.wait(60) == 0, server.output()
+        assert wait_until(lambda: not alive(children), timeout=30), alive(children)
+        output = server.output()
+        assert "Traceback" not in output and "ERROR" not in output and "restarting" not in output, output
+    finally:
+        server.stop()
 
 
 def run_script(script, timeout: float):

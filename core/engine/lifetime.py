@@ -124,6 +124,14 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def leave_interrupts_to_the_parent() -> None:
+    """Ignore SIGINT in a process the engine started (engine core, worker, DP coordinator). A terminal's Ctrl-C
+    reaches the whole foreground process group; such a process must not end on its own, mid-step, while its parent
+    (which handles the Ctrl-C) stops the engine in order: the parent's shutdown, or ``watch_parent`` once the parent
+    is gone, still ends it. The processes it starts in turn inherit the ignored SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def use_thread_lock_for_progress_bars() -> None:
     """tqdm's default lock is a multiprocessing semaphore, which a killed process leaks (the resource
     tracker then warns); a child process only needs a thread lock."""

@@ -16,7 +16,13 @@ from typing import Optional
 
 import zmq
 
-from engine.lifetime import exit_on_sigterm, set_process_name, start_process, watch_parent
+from engine.lifetime import (
+    exit_on_sigterm,
+    leave_interrupts_to_the_parent,
+    set_process_name,
+    start_process,
+    watch_parent,
+)
 from engine.messages import ENCODER, LOAD_DECODER, DPState, EngineLoad, EngineZmqAddresses
 
 logger = logging.getLogger(__name__)
@@ -56,6 +62,7 @@ def run_dp_coordinator(
 ) -> None:
     """Process entry point: serve until SIGTERM or until the parent (the engine's launcher) is gone."""
     exit_on_sigterm()
+    leave_interrupts_to_the_parent()
     set_process_name("DPCoordinator")
     ctx = zmq.Context()
     try:

@@ -18,6 +18,7 @@ from engine.lifetime import (
     continue_when_parent_dies,
     end_engine_process_quickly,
     exit_on_sigterm,
+    leave_interrupts_to_the_parent,
     remove_ipc_dir,
     set_process_name,
     use_thread_lock_for_progress_bars,
@@ -195,6 +196,7 @@ class EngineCoreProc(EngineCore):
         """Process entry point: ends with its parent from the first instant (loading included); removes the
         IPC folder when its parent is gone (a living parent removes it itself once it stops its cores)."""
         exit_on_sigterm()
+        leave_interrupts_to_the_parent()
         end_engine_process_quickly()
         size = vllm_config.parallel.data_parallel_size
         set_process_name("EngineCore" if size == 1 else f"EngineCore_DP{vllm_config.parallel.data_parallel_rank}")

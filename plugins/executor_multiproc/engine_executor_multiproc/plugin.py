@@ -27,6 +27,7 @@ from engine.interfaces.executor import Executor
 from engine.lifetime import (
     describe_exit,
     end_engine_process_quickly,
+    leave_interrupts_to_the_parent,
     start_process,
     use_thread_lock_for_progress_bars,
     watch_parent,
@@ -50,6 +51,7 @@ def worker_main(
     """A worker process: build the Worker, then serve calls until told to stop or the parent goes (it is
     watched from the first instant, so a parent killed while this worker loads takes it along)."""
     watch_parent(parent_pid, f"worker rank {rank}")
+    leave_interrupts_to_the_parent()
     end_engine_process_quickly()
     use_thread_lock_for_progress_bars()
     logging.basicConfig(

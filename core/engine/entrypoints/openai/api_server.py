@@ -129,5 +129,8 @@ def serve_on_socket(config: VllmConfig, sock: socket.socket, remote=None) -> int
     # uvicorn's annotation says int; it waits with asyncio, so a fractional grace period works as given
     server = EngineServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))  # type: ignore[arg-type]
     app.state.server = server
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again once it has shut down: a normal stop
+        pass
     return app.state.exit_code  # the failure itself was logged in one line ("engine failed to start: ...")
