@@ -317,6 +317,26 @@ def test_ctrl_c_in_a_terminal_stops_engine_serve_in_order(tiny_llama):
         server.stop()
 
 
+def test_an_engine_process_with_triton_loaded_ends_without_leak_reports(tmp_path):
+    """nanobind (triton's bindings) reports each of its objects still alive when the interpreter ends. Found: with
+    every object frozen at exit, `engine bench kernels` ended on "nanobind: leaked 4 instances!" and a list of 64
+    types. Where a nanobind extension is loaded, the last exit hook leaves the objects to the collector."""
+    pytest.importorskip("triton")
+    script = tmp_path / "with_triton.py"
+    script.write_text("""
+from engine.lifetime import end_engine_process_quickly, nanobind_extension_loaded
+
+end_engine_process_quickly()
+assert nanobind_extension_loaded() is None
+import triton.language  # noqa: F401
+
+print("nanobind module", nanobind_extension_loaded(), flush=True)
+""")
+    result = run_script(script, timeout=120)
+    assert "nanobind module triton" in result.stdout, result.stdout
+    assert "leaked" not in result.stderr, result.stderr[-2000:]
+
+
 def run_script(script, timeout: float):
     """Run a user script in a fresh interpreter (this test run's import path), from its folder; it must exit 0."""
     import subprocess
