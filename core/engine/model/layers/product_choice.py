@@ -169,6 +169,7 @@ def cache_dir() -> str:
 def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """The size of the largest cache the first core reads through (its last level, usually L3), from sysfs;
     ``FALLBACK_CACHE_BYTES`` where the kernel does not say."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     largest = 0
     try:
         entries = os.listdir(sysfs)
@@ -180,7 +181,6 @@ def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") ->
                 text = f.read().strip().upper()
         except OSError:
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
         number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
         if number.isdigit():
             largest = max(largest, int(number) * unit)
@@ -319,16 +319,11 @@ def choose_products(
     for shape in shapes:
         if shape.key in choices:
             continue
-        if flush is None and shape_fills_cache(shape, cache_bytes):
+        fills_cache = shape_fills_cache(shape, cache_bytes)
+        if fills_cache and flush is None:  # one flush array for the whole measurement
             flush = CacheFlush(cache_bytes)
         choices[shape.key] = measure_shape(
-            shape,
-            candidates,
-            dtype,
-            weight_dtype,
-            generator,
-            weight_format,
-            flush=flush if shape_fills_cache(shape, cache_bytes) else None,
+            shape, candidates, dtype, weight_dtype, generator, weight_format, flush=flush if fills_cache else None
         )
     table = ProductTable(choices, "measured", time.perf_counter() - start, key)
     _write_cache(path, table)
