@@ -67,11 +67,30 @@ struct Product {
   torch::Tensor lora_a, lora_b;  // undefined without LoRA
   std::vector<int64_t> slice_offsets, slice_sizes;
 
-  torch::Tensor operator()(const torch::Tensor& x, const c10::optional<torch::Tensor>& token_slots) const {
+  // x [T, K] -> [T, out_features]: written into `out` (contiguous [T, out_features]) where x and out are float32 rows
+  // and the product is this plugin's, else a new tensor (the dtype conversions of forward, a Python product's own).
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& out,
+                           const c10::optional<torch::Tensor>& token_slots) const {
     torch::Tensor y;
+    const bool into = kind != kPython && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
+                      out.scalar_type() == torch::kFloat;
     switch (kind) {
-      case kQuant: y = engine_quant::forward(x, weight, scales, format, variant, bias, out_features); break;
-      case kGemm: y = engine_cpu::forward(x, weight, bias, out_features, variant); break;
+      case kQuant:
+        if (into && x.is_contiguous()) {
+          engine_quant::linear(out, x, weight, scales, format, variant, bias);
+          y = out;
+        } else {
+          y = engine_quant::forward(x, weight, scales, format, variant, bias, out_features);
+        }
+        break;
+      case kGemm:
+        if (into) {
+          engine_cpu::forward_into(out, x, weight, bias, out_features, variant);
+          y = out;
+        } else {
+          y = engine_cpu::forward(x, weight, bias, out_features, variant);
+        }
+        break;
       default: {
         py::gil_scoped_acquire gil;
         y = (*callable)(x).cast<torch::Tensor>();
@@ -83,18 +102,59 @@ struct Product {
   }
 };
 
+// The step's intermediate tensors, kept from one step to the next, as a CUDA graph keeps its static buffers: each
+// is the first T rows of a buffer sized for the most tokens seen, the same tensor for every layer of every step of T
+// tokens. A replayed step then allocates its output only; it made 630 tensors a step before (SmolLM2: an empty, a
+// view and a reshape per product, views and narrows per layer), each a few hundred nanoseconds of the calling
+// thread while the pool's worker waited.
+class StepBuffers {
+ public:
+  enum Role { kHidden, kOProj, kQkv, kAttention, kGateUp, kActivation };
+  // [tokens, cols] of `role`; `epoch()` changes whenever a tensor this returns for a token count changes
+  const torch::Tensor& get(Role role, int64_t tokens, int64_t cols, const torch::TensorOptions& options) {
+    Entry& e = entries_[{role, cols}];
+    if (!e.base.defined() || e.base.size(0) < tokens || e.base.scalar_type() != options.dtype().toScalarType()) {
+      e.base = at::empty({tokens, cols}, options);
+      e.tokens = -1;
+    }
+    if (e.tokens != tokens) {
+      e.rows = e.base.narrow(0, 0, tokens);
+      e.tokens = tokens;
+      ++epoch_;
+    }
+    return e.rows;
+  }
+  uint64_t epoch() const { return epoch_; }
+
+ private:
+  struct Entry {
+    torch::Tensor base, rows;
+    int64_t tokens = -1;
+  };
+  std::map<std::pair<int, int64_t>, Entry> entries_;
+  uint64_t epoch_ = 0;
+};
+
 struct Layer {
   torch::Tensor input_norm, post_norm;  // float32
   double eps;
   Product qkv, o, gate_up, down;
   c10::optional<torch::Tensor> o_bias, down_bias;  // row-parallel biases, added after the product
   int64_t num_heads, num_kv_heads, head_size;
+  int64_t qkv_features, gate_up_features;  // the two products' widths (gate_up's 0 where Python computes it)
   double scale, soft_cap;
   int64_t sliding_window;
   torch::Tensor cos, sin;  // RoPE tables [max_position, rotary_dim] float32
   // the layer's KV cache [2, blocks, kv_heads, block_size, head_size], its two halves seen token-major as
   // [blocks, block_size, kv_heads, head_size]: views made once, not each step
   torch::Tensor key_cache, value_cache;
+  // the layer's views of the step buffers for `tokens` tokens, made when the buffers' epoch was `epoch`
+  struct Views {
+    int64_t tokens = -1;
+    uint64_t epoch = 0;
+    torch::Tensor hidden, o_out, qkv, attention, attention_rows, gate_up, activation;
+    torch::Tensor q, k, v, q_heads, k_heads, v_heads;  // qkv's columns, and as [T, heads, head_size]
+  } views;
 };
 
 // Where a replayed step's time goes, phase by phase (DecodeGraph.set_profiling): wall seconds summed over the steps
@@ -159,6 +219,9 @@ class DecodeGraph {
     layer.num_heads = num_heads;
     layer.num_kv_heads = num_kv_heads;
     layer.head_size = head_size;
+    layer.qkv_features = layer.qkv.kind == Product::kPython ? (num_heads + 2 * num_kv_heads) * head_size
+                                                             : layer.qkv.out_features;
+    layer.gate_up_features = layer.gate_up.kind == Product::kPython ? 0 : layer.gate_up.out_features;
     layer.scale = scale;
     layer.soft_cap = soft_cap;
     layer.sliding_window = sliding_window;
@@ -189,47 +252,82 @@ class DecodeGraph {
     using P = PhaseClock;
     PhaseClock& clock = clock_;  // off: each phase is a plain call
     for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& L = layers_[i];
+      Layer& L = layers_[i];
+      const Layer::Views& V = views(L, tokens, hidden.options());
+      const bool last = i + 1 == layers_.size();
       clock.time(P::kNorm, [&] {
         if (i == 0) {
           residual = hidden;
-          hidden = at::empty_like(residual);
+          hidden = V.hidden;
           engine_layers::rms_norm(hidden, residual, L.input_norm, L.eps);
         } else {
           engine_layers::fused_add_rms_norm(hidden, residual, L.input_norm, L.eps);
         }
       });
       const int64_t q_size = L.num_heads * L.head_size, kv_size = L.num_kv_heads * L.head_size;
-      const torch::Tensor qkv = clock.time(P::kQkv, [&] { return L.qkv(hidden, token_slots); });
-      const torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
-                          v = qkv.narrow(1, q_size + kv_size, kv_size);
+      const torch::Tensor qkv = clock.time(P::kQkv, [&] { return L.qkv(hidden, V.qkv, token_slots); });
+      const bool buffered = qkv.unsafeGetTensorImpl() == V.qkv.unsafeGetTensorImpl();
+      const torch::Tensor q = buffered ? V.q : qkv.narrow(1, 0, q_size),
+                          k = buffered ? V.k : qkv.narrow(1, q_size, kv_size),
+                          v = buffered ? V.v : qkv.narrow(1, q_size + kv_size, kv_size);
       clock.time(P::kRope, [&] { engine_layers::rotary_embedding(pos, q, k, L.cos, L.sin, L.head_size); });
       const torch::Tensor &key_cache = L.key_cache, &value_cache = L.value_cache;
       clock.time(P::kKvWrite, [&] {
-        engine_attention::write_kv_cache(key_cache, value_cache, k.view({tokens, L.num_kv_heads, L.head_size}),
-                                         v.view({tokens, L.num_kv_heads, L.head_size}), slot_mapping);
+        engine_attention::write_kv_cache(key_cache, value_cache,
+                                         buffered ? V.k_heads : k.view({tokens, L.num_kv_heads, L.head_size}),
+                                         buffered ? V.v_heads : v.view({tokens, L.num_kv_heads, L.head_size}),
+                                         slot_mapping);
       });
-      torch::Tensor attn = at::empty({tokens, L.num_heads, L.head_size}, hidden.options());
       clock.time(P::kAttention, [&] {
-        engine_attention::paged_decode_attention(attn, q.view({tokens, L.num_heads, L.head_size}).contiguous(),
-                                                 key_cache, value_cache, block_table, seq_lens, L.scale, L.soft_cap,
-                                                 L.sliding_window);
+        engine_attention::paged_decode_attention(
+            V.attention, (buffered ? V.q_heads : q.view({tokens, L.num_heads, L.head_size})).contiguous(),
+            key_cache, value_cache, block_table, seq_lens, L.scale, L.soft_cap, L.sliding_window);
       });
       hidden = clock.time(P::kO, [&] {
-        torch::Tensor y = L.o(attn.view({tokens, q_size}), token_slots);
+        torch::Tensor y = L.o(V.attention_rows, V.o_out, token_slots);
         return L.o_bias.has_value() ? y + *L.o_bias : y;
       });
       clock.time(P::kNorm, [&] { engine_layers::fused_add_rms_norm(hidden, residual, L.post_norm, L.eps); });
-      const torch::Tensor gate_up = clock.time(P::kGateUp, [&] { return L.gate_up(hidden, token_slots); });
-      torch::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
+      const torch::Tensor gate_up = clock.time(P::kGateUp, [&] { return L.gate_up(hidden, V.gate_up, token_slots); });
+      const bool act_buffered =
+          gate_up.scalar_type() == V.activation.scalar_type() && gate_up.size(1) == 2 * V.activation.size(1);
+      const torch::Tensor act =
+          act_buffered ? V.activation : at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
       clock.time(P::kActivation, [&] { engine_layers::silu_and_mul(act, gate_up); });
       hidden = clock.time(P::kDown, [&] {
-        torch::Tensor y = L.down(act, token_slots);
+        // the last layer's into a tensor of its own: the step's output, which the caller keeps
+        const torch::Tensor out = last ? at::empty_like(V.hidden) : V.hidden;
+        torch::Tensor y = L.down(act, out, token_slots);
         return L.down_bias.has_value() ? y + *L.down_bias : y;
       });
     }
     clock.time(P::kNorm, [&] { engine_layers::fused_add_rms_norm(hidden, residual, final_norm_, final_eps_); });
     return hidden;
+  }
+
+  // L's views of the step buffers for `tokens` tokens, made again only when the token count or a buffer changed
+  const Layer::Views& views(Layer& L, int64_t tokens, const torch::TensorOptions& options) {
+    Layer::Views& V = L.views;
+    if (V.tokens == tokens && V.epoch == buffers_.epoch()) return V;
+    using B = StepBuffers;
+    const int64_t hidden_size = L.input_norm.size(0), q_size = L.num_heads * L.head_size,
+                  kv_size = L.num_kv_heads * L.head_size;
+    V.hidden = buffers_.get(B::kHidden, tokens, hidden_size, options);
+    V.o_out = buffers_.get(B::kOProj, tokens, hidden_size, options);
+    V.qkv = buffers_.get(B::kQkv, tokens, L.qkv_features, options);
+    V.attention_rows = buffers_.get(B::kAttention, tokens, q_size, options);
+    V.gate_up = buffers_.get(B::kGateUp, tokens, L.gate_up_features, options);
+    V.activation = buffers_.get(B::kActivation, tokens, L.gate_up_features / 2, options);
+    V.attention = V.attention_rows.view({tokens, L.num_heads, L.head_size});
+    V.q = V.qkv.narrow(1, 0, q_size);
+    V.k = V.qkv.narrow(1, q_size, kv_size);
+    V.v = V.qkv.narrow(1, q_size + kv_size, kv_size);
+    V.q_heads = V.q.view({tokens, L.num_heads, L.head_size});
+    V.k_heads = V.k.view({tokens, L.num_kv_heads, L.head_size});
+    V.v_heads = V.v.view({tokens, L.num_kv_heads, L.head_size});
+    V.tokens = tokens;
+    V.epoch = buffers_.epoch();  // (after every get: a get that re-made a tensor moved the epoch on)
+    return V;
   }
 
   void set_profiling(bool on) {
@@ -275,6 +373,7 @@ class DecodeGraph {
   }
 
   std::vector<Layer> layers_;
+  StepBuffers buffers_;
   PhaseClock clock_;
   torch::Tensor final_norm_;
   double final_eps_ = 0;

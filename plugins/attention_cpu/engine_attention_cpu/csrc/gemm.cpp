@@ -515,18 +515,12 @@ void gemv_panels(const float* x, int64_t ldx, const W* w, int64_t k, int64_t n, 
 }
 #endif
 
-// x [..., K] of any float dtype -> x @ W.T (+ bias) [..., N] in x's dtype, in one call: up to 4 rows (decode) by
-// the panels split between the spin pool's threads (no OpenMP wake-up per product), more through `linear`.
-torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
-                      int64_t variant = -1) {
+// out [M, N] (contiguous float32) = rows [M, K] (float32, unit column stride) @ W.T (+ bias): up to 4 rows (decode)
+// by the panels split between the spin pool's threads (no OpenMP wake-up per product), more through `linear`.
+void forward_into(torch::Tensor out, const torch::Tensor& rows, const torch::Tensor& packed,
+                  const c10::optional<torch::Tensor>& bias, int64_t n, int64_t variant) {
   if (variant < 0) variant = default_variant();
-  TORCH_CHECK(cpu_has_variant(variant), "this CPU lacks the instructions of GEMM variant ", variant);
-  const int64_t k = x.size(-1);
-  torch::Tensor rows = x.reshape({-1, k});
-  if (rows.scalar_type() != at::kFloat) rows = rows.to(at::kFloat);
-  if (rows.stride(-1) != 1) rows = rows.contiguous();
-  torch::Tensor out = at::empty({rows.size(0), n}, rows.options());
-  const int64_t m = rows.size(0);
+  const int64_t m = rows.size(0), k = rows.size(1);
 #ifdef ENGINE_AVX2
   if (m >= 1 && m <= 4 && k > 0 && packed.dim() == 3 && packed.size(1) == k && packed.size(0) == (n + kCols - 1) / kCols &&
       packed.is_contiguous() && (!bias.has_value() || bias->numel() == packed.size(0) * kCols)) {
@@ -557,6 +551,19 @@ torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch
   {
     linear(out, rows, packed, bias, variant);
   }
+}
+
+// x [..., K] of any float dtype -> x @ W.T (+ bias) [..., N] in x's dtype, in one call (forward_into).
+torch::Tensor forward(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n,
+                      int64_t variant = -1) {
+  if (variant < 0) variant = default_variant();
+  TORCH_CHECK(cpu_has_variant(variant), "this CPU lacks the instructions of GEMM variant ", variant);
+  const int64_t k = x.size(-1);
+  torch::Tensor rows = x.reshape({-1, k});
+  if (rows.scalar_type() != at::kFloat) rows = rows.to(at::kFloat);
+  if (rows.stride(-1) != 1) rows = rows.contiguous();
+  torch::Tensor out = at::empty({rows.size(0), n}, rows.options());
+  forward_into(out, rows, packed, bias, n, variant);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
   out = out.view(shape);
