@@ -168,3 +168,34 @@ def test_a_product_from_outside_the_plugin_is_called_back_in_the_captured_step(t
     llm.reset_prefix_cache()
     assert _generate(llm, prompts, 24) == captured
     llm.shutdown()
+
+
+def test_a_replayed_step_returns_a_tensor_the_next_replay_leaves_alone(tiny_llama):
+    """The graph keeps its intermediate tensors from one replay to the next (as a CUDA graph keeps its buffers), but
+    the hidden states a replay returns are the caller's: replaying other tokens, and other token counts, leaves them
+    as they were, and the same tokens replayed again give them again."""
+    llm = LLM(model=tiny_llama, layer_kernels="cpu", dtype="float32", kv_cache_memory="64MiB")
+    runner = _runner(llm)
+    graph = runner.decode_step.graphs[-1][1]
+    hidden_size = runner.model.model.layers[0].input_layernorm.weight.shape[0]
+
+    def replay(seed: int, tokens: int) -> torch.Tensor:
+        hidden = torch.randn(tokens, hidden_size, generator=torch.Generator().manual_seed(seed))
+        blocks = torch.arange(1, tokens + 1, dtype=torch.int32).view(tokens, 1)  # a block each, position 0
+        return graph.run(
+            hidden,
+            torch.zeros(tokens, dtype=torch.int64),
+            (blocks.view(-1) * runner.block_size).to(torch.int64),
+            blocks,
+            torch.ones(tokens, dtype=torch.int32),
+        )
+
+    first = replay(1, 1)
+    kept = first.clone()
+    second = replay(2, 1)
+    assert second.data_ptr() != first.data_ptr()
+    replay(3, 3)  # more tokens: the buffers grow
+    assert torch.equal(first, kept)
+    assert torch.equal(replay(1, 1), kept)
+    assert torch.equal(replay(2, 1), second)
+    llm.shutdown()
