@@ -14,6 +14,7 @@ from tests.helpers import Server, wait_until
 from tests.test_server import metric
 
 MODEL_NAME = "tiny-llama"
+HOLD_TOKENS = 16000  # the request that holds the only running slot: never ends before the test aborts it
 
 
 class Clock:
@@ -62,11 +63,13 @@ def test_without_caps_everything_is_admitted():
 
 
 @pytest.fixture(scope="module")
-def bounded_server(tiny_llama):
-    # one request runs at a time: the others wait for their first token as long as it runs
+def bounded_server(make_tiny_model):
+    # one request runs at a time: the others wait for their first token as long as it runs. A context of 16K lets
+    # the request that holds the slot run for seconds on any CPU (1000 tokens, the tiny model's usual context, ended
+    # within the test's window once a replayed decode step got faster)
     srv = Server(
         "--model",
-        tiny_llama,
+        make_tiny_model(max_position_embeddings=HOLD_TOKENS + 384),
         "--served-model-name",
         MODEL_NAME,
         "--dtype",
@@ -74,7 +77,7 @@ def bounded_server(tiny_llama):
         "--kv-cache-memory",
         "32MiB",
         "--max-model-len",
-        "1024",
+        str(HOLD_TOKENS + 384),
         "--max-num-seqs",
         "1",
         "--max-waiting-requests",
@@ -91,7 +94,9 @@ def test_an_overloaded_server_answers_503_with_retry_after_and_loses_nothing_it_
     stop_running = threading.Event()
 
     def long_stream():  # holds the only running slot until told to leave
-        with httpx.stream("POST", url, json={**body, "max_tokens": 1000, "stream": True}, timeout=120) as response:
+        with httpx.stream(
+            "POST", url, json={**body, "max_tokens": HOLD_TOKENS, "stream": True}, timeout=120
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     running.set()
