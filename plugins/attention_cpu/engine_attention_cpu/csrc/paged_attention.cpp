@@ -3,7 +3,8 @@
 // it), causal, with an optional sliding window and logit soft-capping. Softmax and accumulation in
 // float32 whatever the cache dtype. Work is split over (request, KV head, part of the context) items, longest first,
 // each taken by a free thread, a long context's parts merged by their softmax peaks and sums; the next block's rows
-// are prefetched, and the softmax exponentials are vectorised.
+// are prefetched, and so are the next item's while a thread attends the current one; the softmax exponentials are
+// vectorised.
 #include <torch/extension.h>
 
 #include <cstring>
@@ -27,6 +28,36 @@ namespace {
 
 using namespace engine_cpu;
 
+// The cache rows of the item a thread attends next, asked for into L2 while it attends the current one (for_each_row
+// issues a few lines for each row it visits, once a block): the next item's reads overlap this item's arithmetic
+// instead of following it. With the whole item asked for only when it started, a 30-layer step of 64 requests spent
+// about 60% longer than with its caches already in L2 (scripts/bench_cpu_decode_kernel.py; docs/benchmarks.md).
+struct RowsAhead {
+  struct Span {
+    const char* begin;
+    const char* end;
+  };
+  std::vector<Span> spans;  // the rows' byte ranges, keys first (one a block), then values
+  size_t span = 0;
+  const char* at = nullptr;
+  int lines_per_row = 0;
+
+  void start() {
+    span = 0;
+    at = spans.empty() ? nullptr : spans[0].begin;
+  }
+  // issues up to `lines` of the remaining prefetches
+  __attribute__((always_inline)) inline void issue(int64_t lines) {
+    for (int64_t i = 0; i < lines && span < spans.size(); ++i) {
+      __builtin_prefetch(at, 0, 2);
+      at += 64;
+      if (at >= spans[span].end && ++span < spans.size()) at = spans[span].begin;
+    }
+  }
+};
+// the calling thread's, while it attends an item with another one taken (a plain pointer: no guard on each read)
+thread_local RowsAhead* rows_ahead = nullptr;
+
 // Visits the cache rows of positions [first, last) of one request and one KV head, block by block.
 // While visiting row o of a block it prefetches the bytes [prefetch_from, prefetch_to) of row o of the
 // next one: blocks are scattered, so the hardware prefetcher cannot guess the next page, and spreading
@@ -43,6 +74,7 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
     const int64_t end = std::min(last, (index + 1) * block_size);
     const char* next = end < last ? reinterpret_cast<const char*>(cache + table[index + 1] * stride_block) : nullptr;
     const int64_t next_rows = next ? std::min(block_size, last - end) : 0;
+    if (RowsAhead* ahead = rows_ahead) ahead->issue(ahead->lines_per_row * (end - t));  // once a block
     int64_t offset = t - index * block_size;  // counted along the block: no division a row
     const scalar_t* row = cache + table[index] * stride_block + offset * stride_tok;
     for (; t < end; ++t, ++offset, row += stride_tok) {
@@ -54,20 +86,6 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
       fn(t, row);
     }
   }
-}
-
-// Asks for the bytes [0, row_bytes) of the cache rows of positions [first, first + rows) of one request and one KV
-// head to be brought into the core's L2, all at once, before an item reads them. In a decode step the caches come
-// from memory (the step's weights stream through the caches between a layer's attention and the next step's), and
-// for_each_row's one-block-ahead prefetch alone left the attention waiting on them: asking for an item's rows up
-// front gave a single stream over 512-640 positions 7% more tokens/s and 32 requests 10% (docs/benchmarks.md).
-template <typename scalar_t>
-inline void prefetch_rows_to_l2(const scalar_t* cache, const int32_t* table, int64_t block_size, int64_t stride_block,
-                                int64_t stride_tok, int64_t first, int64_t rows, int64_t row_bytes) {
-  for_each_row(cache, table, block_size, stride_block, stride_tok, first, first + rows, 0, 0,
-               [&](int64_t, const scalar_t* row) {
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 2);
-  });
 }
 
 // The most an item asks for at once (keys and values together): well within any L2 this runs on.
@@ -254,10 +272,56 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
   // on the spin pool, not OpenMP: this runs between the step's products, which keep the pool's workers awake
   engine_pool::run_shared(std::min<int64_t>(threads, num_items), [&] {
     thread_local std::vector<float> q, whole, scores;  // each thread's own, kept between calls (no allocation)
+    thread_local RowsAhead ahead;
     q.resize(3 * head_size);
     whole.resize(3 * v_size);
-    for (int64_t taken = next_item++; taken < num_items; taken = next_item++) {
+    const int64_t k_bytes = head_size * int64_t(sizeof(cache_t));
+    const bool shared_rows = v_ptr == k_ptr && vc_tok == kc_tok && vc_block == kc_block && vc_head == kc_head;
+    const int64_t v_bytes = shared_rows ? 0 : v_size * int64_t(sizeof(cache_t));
+    // an item's cache rows as byte ranges, keys then values (those sharing the keys' rows, as MLA's latent cache,
+    // asked for once), at most kItemPrefetchBytes of them
+    auto plan = [&](const Item& item) {
+      ahead.spans.clear();
+      const int32_t* table = table_ptr + item.row * table_row;
+      const int64_t last = item.first + std::min(item.last - item.first, kItemPrefetchBytes / (k_bytes + v_bytes));
+      for (int pass = 0; pass < (v_bytes > 0 ? 2 : 1); ++pass) {
+        const char* base = reinterpret_cast<const char*>(pass == 0 ? k_ptr + item.kv_head * kc_head
+                                                                   : v_ptr + item.kv_head * vc_head);
+        const int64_t stride_block = (pass == 0 ? kc_block : vc_block) * int64_t(sizeof(cache_t));
+        const int64_t stride_tok = (pass == 0 ? kc_tok : vc_tok) * int64_t(sizeof(cache_t));
+        const int64_t row_bytes = pass == 0 ? k_bytes : v_bytes;
+        for (int64_t t = item.first; t < last;) {
+          const int64_t index = t / block_size;
+          const int64_t end = std::min(last, (index + 1) * block_size);
+          const char* row = base + table[index] * stride_block + (t - index * block_size) * stride_tok;
+          const auto aligned = reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63);
+          ahead.spans.push_back({reinterpret_cast<const char*>(aligned), row + (end - t - 1) * stride_tok + row_bytes});
+          t = end;
+        }
+      }
+      ahead.start();
+    };
+    int64_t taken = next_item++;
+    // the first item's rows all at once, before it starts (the caches come from memory: the step's weights streamed
+    // through the caches since this layer's last attention; for one request over 512-640 positions this gave 7% more
+    // tokens/s than a one-block-ahead prefetch alone)
+    if (taken < num_items) {
+      plan(items[taken]);
+      ahead.issue(std::numeric_limits<int64_t>::max());
+    }
+    while (taken < num_items) {
       const Item& item = items[taken];
+      // the next item taken now, its rows asked for while this one is attended
+      const int64_t upcoming = next_item++;
+      if (upcoming < num_items) {
+        plan(items[upcoming]);
+        int64_t lines = 0;
+        for (const auto& span : ahead.spans) lines += (span.end - span.begin + 63) / 64;
+        // spread over this item's two walks (keys, then values), the rest asked for when it ends
+        const int64_t visits = std::max<int64_t>(1, 2 * (item.last - item.first));
+        ahead.lines_per_row = static_cast<int>(std::max<int64_t>(1, lines / visits));
+        rows_ahead = &ahead;
+      }
       scores.resize(3 * (item.last - item.first));
       const int32_t* table = table_ptr + item.row * table_row;
       const cache_t* keys = k_ptr + item.kv_head * kc_head;
@@ -268,14 +332,6 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
       for (int64_t g = 0; g < heads; ++g) {
         const scalar_t* src = q_ptr + item.row * q_tok + (head + g) * q_head;
         for (int64_t d = 0; d < head_size; ++d) q[g * head_size + d] = as_float(src[d]);
-      }
-      {  // the item's rows into L2 (values sharing the keys' rows, as MLA's latent cache, asked for once)
-        const int64_t k_bytes = head_size * int64_t(sizeof(cache_t));
-        const bool shared_rows = values == keys && vc_tok == kc_tok && vc_block == kc_block;
-        const int64_t v_bytes = shared_rows ? 0 : v_size * int64_t(sizeof(cache_t));
-        const int64_t rows = std::min(item.last - item.first, kItemPrefetchBytes / (k_bytes + v_bytes));
-        prefetch_rows_to_l2(keys, table, block_size, kc_block, kc_tok, item.first, rows, k_bytes);
-        if (v_bytes > 0) prefetch_rows_to_l2(values, table, block_size, vc_block, vc_tok, item.first, rows, v_bytes);
       }
       const bool part = item.split >= 0;
       float* acc = part ? acc_base + item.slot * acc_stride : whole.data();
@@ -306,6 +362,9 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& query, const
         merge_parts(dst, o_head, acc_base + s.first_slot * acc_stride, peaks_base + s.first_slot * stat_stride,
                     sums_base + s.first_slot * stat_stride, s.parts, heads, v_size, acc_stride, stat_stride);
       }
+      rows_ahead = nullptr;
+      if (upcoming < num_items) ahead.issue(std::numeric_limits<int64_t>::max());  // what this item's walk left
+      taken = upcoming;
     }
   });
 }
