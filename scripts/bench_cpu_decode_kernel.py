@@ -4,6 +4,8 @@
     python scripts/bench_cpu_decode_kernel.py      # prints JSON: ms per step and the KV read rate
     python scripts/bench_cpu_decode_kernel.py --variant avx2 --dtype bfloat16   # one ISA variant, a 16-bit cache
     python scripts/bench_cpu_decode_kernel.py --variant all   # every variant this CPU runs, steps alternating
+    python scripts/bench_cpu_decode_kernel.py --warm   # the same rows from one small cache that stays in L2:
+                                                       # the arithmetic alone (cold minus warm: the wait on memory)
 
 With several variants the steps alternate (A B A B ...) and each reports its median step: the machine's memory
 bandwidth drifts between runs minutes apart, so only variants timed side by side compare.
@@ -34,6 +36,7 @@ def main(
     repeats: int = 5,
     variant: str = "widest",
     dtype: str = "float32",
+    warm: bool = False,
 ) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(64, 700, (rows,), dtype=torch.int32, generator=gen)
@@ -47,9 +50,13 @@ def main(
         table[r, :n] = order[start : start + n]
         start += n
     kind = getattr(torch, dtype)
-    caches = [
-        torch.randn(2, num_blocks, kv_heads, block_size, head_size, generator=gen).to(kind) for _ in range(layers)
-    ]
+    if warm:  # every layer and request reads the same 48 blocks (600 KB in bfloat16), which stay in L2
+        table = table % 48 + 1
+        caches = [torch.randn(2, 49, kv_heads, block_size, head_size, generator=gen).to(kind)] * layers
+    else:
+        caches = [
+            torch.randn(2, num_blocks, kv_heads, block_size, head_size, generator=gen).to(kind) for _ in range(layers)
+        ]
     query = torch.randn(rows, heads, head_size, generator=gen).to(kind)
     names = [name for name, runs in _C.variants() if runs]
     chosen = {"widest": [-1], "all": list(range(len(names)))}.get(variant) or [names.index(variant)]
@@ -86,6 +93,7 @@ def main(
             {
                 "variant": variant if index < 0 else names[index],
                 "dtype": dtype,
+                "caches": "warm" if warm else "cold",
                 "ms_per_step": round(seconds * 1e3, 1),
                 "kv_read_gb_per_s": round(kv_bytes / seconds / 1e9, 1),
                 "threads": torch.get_num_threads(),
@@ -98,6 +106,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", default="widest", help="an ISA variant (_C.variants()), widest (default) or all")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--warm", action="store_true", help="one small cache for every layer: the arithmetic alone")
     args = parser.parse_args()
-    for result in main(variant=args.variant, dtype=args.dtype, repeats=9 if args.variant == "all" else 5):
+    repeats = 9 if args.variant == "all" else 5
+    for result in main(variant=args.variant, dtype=args.dtype, repeats=repeats, warm=args.warm):
         print(json.dumps(result))
