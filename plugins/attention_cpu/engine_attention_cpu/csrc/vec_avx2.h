@@ -136,10 +136,24 @@ inline float exp_shifted(float* p, int64_t n, float peak) {
 
 // In place: p[i] = exp(p[i] - max(p)) for i < n, a softmax left unnormalised (attention over a part of a context,
 // merged with the other parts' later); the maximum in *peak, returns the sum.
+// The maximum in eight lanes, then folded (a maximum is exact in any order), into a local: the compiler cannot tell
+// that peak is not in p, and a loop over *peak stored it at every element (half of the softmax's time in perf).
 inline float exp_from_max(float* p, int64_t n, float* peak) {
-  *peak = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) *peak = std::max(*peak, p[i]);
-  return exp_shifted(p, n, *peak);
+  float highest = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#ifdef ENGINE_AVX2
+  if (n >= 8) {
+    __m256 lanes = _mm256_loadu_ps(p);
+    for (i = 8; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(p + i));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_movehdup_ps(half));
+    highest = _mm_cvtss_f32(half);
+  }
+#endif
+  for (; i < n; ++i) highest = std::max(highest, p[i]);
+  *peak = highest;
+  return exp_shifted(p, n, highest);
 }
 
 // In place: p = softmax(p[0:n]).
