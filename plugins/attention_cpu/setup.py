@@ -56,6 +56,12 @@ def emulated_extensions():
     ]
 
 
+# every extension includes some of the shared headers: a changed header rebuilds them all (setuptools compares only
+# the sources' times otherwise, and an edited header left a stale kernel in place)
+CSRC = pathlib.Path("engine_attention_cpu/csrc")
+HEADERS = sorted(str(path) for pattern in ("*.h", "*.inc") for path in CSRC.glob(pattern))
+
+
 class ParallelBuildExtension(BuildExtension):
     """Compiles the extensions side by side, one per core (on 2 cores about half the time). Without ninja: torch's
     ninja path writes one build.ninja per build folder, which two extensions built at once would share. The emulated
@@ -66,6 +72,8 @@ class ParallelBuildExtension(BuildExtension):
 
     def finalize_options(self):
         super().finalize_options()
+        for extension in self.extensions:
+            extension.depends = sorted(set(extension.depends) | set(HEADERS))
         if not self.parallel:
             self.parallel = os.cpu_count() or 1
 
