@@ -56,10 +56,11 @@ def emulated_extensions():
     ]
 
 
-# every extension includes some of the shared headers: a changed header rebuilds them all (setuptools compares only
-# the sources' times otherwise, and an edited header left a stale kernel in place)
+# every file of csrc/ may be compiled into several extensions (shared headers and .inc loops; paged_attention.cpp into
+# the decode graph's and the emulated builds): a change to any of them rebuilds them all (setuptools compares only
+# each extension's own sources' times otherwise, and an edited header left a stale kernel in place)
 CSRC = pathlib.Path("engine_attention_cpu/csrc")
-HEADERS = sorted(str(path) for pattern in ("*.h", "*.inc") for path in CSRC.glob(pattern))
+KERNEL_FILES = sorted(str(path) for path in CSRC.rglob("*") if path.suffix in {".h", ".inc", ".cpp"})
 
 
 class ParallelBuildExtension(BuildExtension):
@@ -73,7 +74,7 @@ class ParallelBuildExtension(BuildExtension):
     def finalize_options(self):
         super().finalize_options()
         for extension in self.extensions:
-            extension.depends = sorted(set(extension.depends) | set(HEADERS))
+            extension.depends = sorted(set(extension.depends) | set(KERNEL_FILES))
         if not self.parallel:
             self.parallel = os.cpu_count() or 1
 

@@ -135,9 +135,9 @@ inline float exp_shifted(float* p, int64_t n, float peak) {
 }
 
 // In place: p[i] = exp(p[i] - max(p)) for i < n, a softmax left unnormalised (attention over a part of a context,
-// merged with the other parts' later); the maximum in *peak, returns the sum.
-// The maximum in eight lanes, then folded (a maximum is exact in any order), into a local: the compiler cannot tell
-// that peak is not in p, and a loop over *peak stored it at every element (half of the softmax's time in perf).
+// merged with the other parts' later); the maximum in *peak, returns the sum. The maximum is taken in eight lanes
+// (exact in any order) into a local: the compiler cannot tell that peak is not in p, and a loop over *peak stored it
+// at every element (half of the softmax's time in perf).
 inline float exp_from_max(float* p, int64_t n, float* peak) {
   float highest = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
